@@ -1,0 +1,82 @@
+"""Tokenizers in HF `tokenizer.json` format, built offline (no hub downloads).
+
+The built-in tokenizer is byte-level with no merges: token id b (0..255) is the byte b (in
+GPT-2's byte-to-unicode alphabet, so transformers and vLLM decode it like any byte-level BPE),
+and id 256 is `<|endoftext|>`, used as both eos and pad (as Qwen does). Every string round-trips
+exactly, which is what the synthetic arithmetic task needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+EOS_TOKEN = "<|endoftext|>"
+BYTE_VOCAB_SIZE = 257  # 256 bytes + <|endoftext|>
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (used by HF byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def build_byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer: id b <-> byte b, id 256 = `<|endoftext|>` (eos and pad)."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TOKEN])
+    if tok.token_to_id(EOS_TOKEN) != 256:
+        raise AssertionError("byte tokenizer layout changed: <|endoftext|> must be id 256")
+    return tok
+
+
+def eos_token_id(tok: Tokenizer) -> int:
+    """The id of `<|endoftext|>` in `tok`; a clear error if the tokenizer lacks it."""
+    tid = tok.token_to_id(EOS_TOKEN)
+    if tid is None:
+        raise ValueError(f"tokenizer has no {EOS_TOKEN!r} token; it is needed as eos and pad")
+    return tid
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: str | Path) -> None:
+    """Writes `tokenizer.json` and a `tokenizer_config.json` that transformers/vLLM accept."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    eos = EOS_TOKEN if tok.token_to_id(EOS_TOKEN) is not None else None
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos,
+        "pad_token": eos,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1_000_000,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """Loads `<model_dir>/tokenizer.json`; the error names the missing file."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: an HF model folder needs tokenizer.json "
+            "(save one with models.tokenizer.save_tokenizer)"
+        )
+    return Tokenizer.from_file(str(path))

@@ -1,0 +1,134 @@
+"""The rollout interface shared by every backend (DESIGN.md section 6, ROLLOUT.md section 1).
+
+The trainer talks to a `RolloutBackend` and never knows whether it is the embedded JAX engine
+or an HTTP client of a vLLM-compatible server. Everything crossing this interface is plain
+Python / numpy (no jax), because this module is also imported by the vLLM-side code.
+
+Logprob convention: `Completion.logprobs[i]` is log p(response_ids[i] | prompt, response[:i])
+under the distribution the token was *actually sampled from* (temperature / top-k / top-p
+applied; vLLM needs `--logprobs-mode processed_logprobs` for that, ROLLOUT.md section 2).
+At temperature 1 with no truncation this equals the model's raw log-softmax.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+
+FinishReason = Literal["stop", "length"]
+
+
+class RolloutError(RuntimeError):
+    """A rollout backend failed in a way the caller must not treat as data.
+
+    The message names the server URL (or "embedded") and says what to do.
+    """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample; names and meanings follow vLLM's `SamplingParams`.
+
+    Attributes:
+      n: samples per prompt; completions come back prompt-major (p0 x n, p1 x n, ...).
+      max_tokens: maximum number of new tokens per sample.
+      temperature: softmax temperature; 0 means greedy.
+      top_p: nucleus mass in (0, 1]; 1 disables it.
+      top_k: keep the k most likely tokens; -1 (or 0) disables it.
+      seed: base seed; sample j of prompt i uses a seed derived from (seed, i, j), so the same
+        seed reproduces the same samples. None draws fresh randomness.
+      stop_token_ids: generation stops after emitting one of these (it is kept in the
+        response, finish reason "stop"). The tokenizer's eos is added by the backend.
+      ignore_eos: keep generating past eos until max_tokens.
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One sampled response.
+
+    Attributes:
+      prompt_index: index of its prompt in the `generate` call.
+      prompt_ids: the prompt's token ids.
+      response_ids: sampled token ids, int32 [L].
+      logprobs: float32 [L], log-prob of each response token under the sampling distribution.
+      finish_reason: "stop" (eos / stop token emitted) or "length" (max_tokens reached).
+      weight_version: the weight version the backend held when it sampled this.
+    """
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: FinishReason
+    weight_version: str
+
+    def __post_init__(self) -> None:
+        if self.response_ids.shape != self.logprobs.shape:
+            raise RolloutError(
+                f"completion of prompt {self.prompt_index}: {self.response_ids.shape[0]} tokens "
+                f"but {self.logprobs.shape[0]} logprobs; the server's response is malformed"
+            )
+
+
+class RolloutBackend(abc.ABC):
+    """A rollout engine: samples, scores, and receives new policy weights."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
+        """Samples `sampling.n` completions per prompt; returns them prompt-major."""
+
+    @abc.abstractmethod
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced logprobs: for each sequence s, float32 [len(s)] with entry t =
+        log p(s[t] | s[:t]) at temperature 1, entry 0 = 0.0."""
+
+    @abc.abstractmethod
+    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+        """Installs new policy weights, given in HF names and layout ([out, in], float32
+        masters). The backend converts them to its rollout format (bf16 / fp32 / FP8 block)
+        through `rollout_bridge.export`, so every backend holds the same numbers. After it
+        returns, `weight_version()` is `version` and every later sample uses the new weights."""
+
+    @abc.abstractmethod
+    def weight_version(self) -> str:
+        """The version of the weights currently served."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the backend can serve requests now."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the backend's resources (idempotent)."""
+
+    def __enter__(self) -> RolloutBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
