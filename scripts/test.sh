@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh machine: installs everything (project venv, the cached
+# vLLM venv of ROLLOUT.md section 5), lints, then runs pytest. Extra args go to pytest.
+# Usage: scripts/test.sh [pytest args...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+scripts/bootstrap.sh
+if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
+  scripts/setup_vllm_env.sh
+fi
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest -q "$@"
