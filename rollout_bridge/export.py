@@ -1,0 +1,152 @@
+"""Weight export: HF-named float32 masters -> rollout format -> safetensors in shared memory.
+
+Formats (`fmt`):
+  "fp32"      every tensor as float32 (a CPU fp32 server matches the trainer to ~1e-6).
+  "bf16"      every tensor rounded to bfloat16 (round to nearest even; verl's default).
+  "fp8"       block-FP8 checkpoint format (DeepSeek-V3 / Qwen3-FP8, ROLLOUT.md section 6): each
+              decoder linear weight W [out, in] becomes an e4m3 `<name>` = q and an f32
+              `<name minus .weight>.weight_scale_inv` = s [ceil(out/B), ceil(in/B)], with
+              W ~= q * s per B x B block (s = amax / 448), B = 128; embeddings, norms, biases
+              and the LM head stay bf16. The manifest carries `quantization_config`
+              {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [B, B]}
+              for the server's config.json. For GPU servers (vLLM's CPU build has no FP8 kernels).
+  "fp8_fp32"  the same FP8 values dequantized to float32 (q * s): what a CPU server can load
+              while still computing with exactly the trainer's FP8 weights.
+
+q and s come from `models.fp8.quantize_weight`, the quantizer the training forward uses, so
+the server holds bit-for-bit the trainer's FP8 weights. That import is lazy: this module itself
+imports no jax (the format layer `weight_files` is shared with the vLLM plugin).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from rollout_bridge.weight_files import (
+    ExportError,
+    default_root,
+    load_export,
+    write_export,
+)
+
+ExportFormat = Literal["fp32", "bf16", "fp8", "fp8_fp32"]
+EXPORT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp8", "fp8_fp32")
+FP8_BLOCK_SIZE = 128
+# Decoder linears only: the embedding / LM head stay high precision as in DeepSeek-V3 and
+# Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers.
+_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+
+__all__ = [
+    "EXPORT_FORMATS",
+    "ExportError",
+    "ExportFormat",
+    "export_weights",
+    "fp8_quantization_config",
+    "is_fp8_linear",
+    "load_export",
+    "to_rollout_format",
+]
+
+
+def fp8_quantization_config(block_size: int = FP8_BLOCK_SIZE) -> dict[str, Any]:
+    """The `quantization_config` a block-FP8 checkpoint declares in its config.json."""
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block_size, block_size],
+    }
+
+
+def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the HF tensor `name` is a decoder linear weight that the FP8 format quantizes."""
+    return len(shape) == 2 and _FP8_LINEAR.match(name) is not None
+
+
+@functools.cache
+def _fp8_quantizer(block_size: int):
+    """jit(models.fp8.quantize_weight) for the block recipe: W [out, in] -> (q e4m3, s f32)."""
+    import jax
+
+    from models import fp8
+
+    recipe = fp8.get_recipe("fp8_block", block_size=block_size)
+    return jax.jit(functools.partial(fp8.quantize_weight, recipe=recipe))
+
+
+@functools.cache
+def _fp8_dequantizer(block_size: int):
+    """jit(q, s -> q * s) per block, by `models.fp8.dequantize` with the weight's tile."""
+    import jax
+
+    from models import fp8
+
+    recipe = fp8.get_recipe("fp8_block", block_size=block_size)
+    return jax.jit(functools.partial(fp8.dequantize, tile=fp8.weight_tile(recipe)))
+
+
+def to_rollout_format(
+    hf_state: Mapping[str, Any], fmt: ExportFormat, *, block_size: int = FP8_BLOCK_SIZE
+) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    """Converts HF-named weights ([out, in] linears, any float dtype) to the rollout format.
+
+    Returns ({name: numpy array}, quantization_config or None). See the module docstring."""
+    import ml_dtypes
+
+    if fmt not in EXPORT_FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {EXPORT_FORMATS}")
+    out: dict[str, np.ndarray] = {}
+    for name, value in hf_state.items():
+        w = np.asarray(value, dtype=np.float32)
+        if fmt == "fp32":
+            out[name] = w
+        elif fmt == "bf16" or not is_fp8_linear(name, w.shape):
+            out[name] = w.astype(ml_dtypes.bfloat16) if fmt != "fp8_fp32" else w
+        else:
+            q, s = _fp8_quantizer(block_size)(w)
+            if fmt == "fp8":
+                out[name] = np.asarray(q)
+                out[name.removesuffix(".weight") + ".weight_scale_inv"] = np.asarray(
+                    s, dtype=np.float32
+                )
+            else:
+                out[name] = np.asarray(_fp8_dequantizer(block_size)(q, s), dtype=np.float32)
+    qcfg = fp8_quantization_config(block_size) if fmt == "fp8" else None
+    return out, qcfg
+
+
+def export_weights(
+    hf_state: Mapping[str, Any],
+    version: str,
+    *,
+    fmt: ExportFormat = "bf16",
+    root: str | Path | None = None,
+    keep: int = 2,
+    block_size: int = FP8_BLOCK_SIZE,
+) -> Path:
+    """Converts `hf_state` to `fmt` and writes it as version `version` under `root`.
+
+    Args:
+      hf_state: {HF name: array} (e.g. `models.hf_io.to_hf_state_dict(cfg, params)`).
+      version: the weight version label, also the folder name (e.g. "step-12").
+      fmt: "fp32" | "bf16" | "fp8" | "fp8_fp32" (module docstring).
+      root: export root; default `weight_files.default_root()` (/dev/shm/jfp8rl/run-<pid>).
+      keep: how many versions to keep (older ones are deleted after the write).
+
+    Returns:
+      The complete version folder; pass it to `load_export` or to a server's update route.
+    """
+    tensors, qcfg = to_rollout_format(hf_state, fmt, block_size=block_size)
+    return write_export(
+        Path(root) if root is not None else default_root(),
+        version,
+        tensors,
+        fmt=fmt,
+        quantization_config=qcfg,
+        keep=keep,
+    )

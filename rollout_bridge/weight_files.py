@@ -1,0 +1,422 @@
+"""The on-disk form of one exported weight version: safetensors + `manifest.json`.
+
+This module only moves bytes (numpy, hashlib, json; torch optional): it is imported by the vLLM
+plugin inside vLLM's own venv, which has neither jax nor ml_dtypes. The conversion from
+trainer params to the rollout format lives in `rollout_bridge.export`.
+
+Layout of an export root (default `/dev/shm/jfp8rl/run-<pid>`, shared memory so a "copy" to
+the server is a page-cache read):
+
+    <root>/<version>/model.safetensors   tensors, HF names
+    <root>/<version>/manifest.json       {"format_version", "version", "format", "created_ns",
+                                          "quantization_config", "files": {name: {size, sha256}},
+                                          "tensors": {name: {file, dtype, shape, sha256}}}
+    <root>/.partial-<version>-<pid>-<n>/ a version being written (never read)
+
+A version is written into a `.partial-*` folder and renamed into place only when complete
+(`os.rename` is atomic within one filesystem), so a crash mid-write never leaves a folder a
+server would load; the manifest is written last. `sha256` is over a tensor's raw little-endian
+bytes, so a flipped byte or a truncated file is refused by `load_export`.
+
+The safetensors writer/reader are ours (the format is 8 bytes of little-endian header length,
+a JSON header `{name: {dtype, shape, data_offsets}}`, then the data) because the `safetensors`
+numpy API has no bfloat16/float8 arrays; files load unchanged with `safetensors.safe_open`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSOR_FILE = "model.safetensors"
+PARTIAL_PREFIX = ".partial-"
+
+# numpy dtype name <-> safetensors dtype tag. bfloat16 / float8 come from ml_dtypes on the
+# trainer side; the vLLM side reads them as torch tensors (`framework="pt"`).
+_NP_TO_ST = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
+_ST_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
+_partial_counter = itertools.count()
+
+
+class ExportError(ValueError):
+    """An export folder is missing, incomplete, tampered with, or of the wrong version."""
+
+
+def default_root() -> Path:
+    """`$JFP8RL_EXPORT_ROOT`, else `/dev/shm/jfp8rl/run-<pid>` (tmp dir without /dev/shm).
+
+    Shared memory is RAM: `run-<pid>` folders of processes that died without cleaning up are
+    deleted here, whenever a process asks for its default root."""
+    env = os.environ.get("JFP8RL_EXPORT_ROOT")
+    if env:
+        return Path(env)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    base = base / "jfp8rl"
+    for d in base.glob("run-*") if base.is_dir() else []:
+        try:
+            pid = int(d.name.removeprefix("run-"))
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+    return base / f"run-{os.getpid()}"
+
+
+def safe_version_dir(version: str) -> str:
+    """The folder name of `version`; refuses names that could escape the root."""
+    if not version or version.startswith(".") or any(c in version for c in "/\\\0"):
+        raise ExportError(
+            f"weight version {version!r} cannot be a folder name: use letters, digits, "
+            "'-', '_' (e.g. 'step-12')"
+        )
+    return version
+
+
+def st_dtype(arr: np.ndarray) -> str:
+    """The safetensors dtype tag of a numpy array (ml_dtypes bfloat16/float8 included)."""
+    try:
+        return _NP_TO_ST[arr.dtype.name]
+    except KeyError:
+        raise ExportError(
+            f"dtype {arr.dtype} cannot be exported; use one of {sorted(_NP_TO_ST)}"
+        ) from None
+
+
+def _le_bytes(arr: np.ndarray) -> memoryview:
+    a = np.ascontiguousarray(arr)
+    if a.dtype.byteorder == ">":
+        a = a.byteswap().view(a.dtype.newbyteorder("<"))
+    # ml_dtypes arrays (bfloat16, float8) do not export the buffer protocol: view the bytes.
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def write_safetensors(
+    path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Writes `tensors` to `path` in safetensors format; returns {name: sha256 of its bytes}."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    views = {}
+    for name, arr in tensors.items():
+        view = _le_bytes(arr)
+        views[name] = view
+        header[name] = {
+            "dtype": st_dtype(arr),
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + view.nbytes],
+        }
+        offset += view.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned (as safetensors writes it)
+    hashes = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, view in views.items():
+            f.write(view)
+            hashes[name] = hashlib.sha256(view).hexdigest()
+    return hashes
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, Any], bytearray, int]:
+    """Reads a whole safetensors file: (header, file bytes, data start offset).
+
+    Raises `ExportError` naming the file if it is truncated or its header is malformed."""
+    size = path.stat().st_size
+    buf = bytearray(size)
+    with open(path, "rb") as f:
+        got = f.readinto(buf)
+    if got != size or size < 8:
+        raise ExportError(f"{path}: short read ({got} of {size} bytes); the file is truncated")
+    (hlen,) = struct.unpack("<Q", buf[:8])
+    if 8 + hlen > size:
+        raise ExportError(f"{path}: header length {hlen} exceeds the file size {size}; truncated")
+    try:
+        header = json.loads(bytes(buf[8 : 8 + hlen]))
+    except ValueError as e:
+        raise ExportError(f"{path}: malformed safetensors header ({e})") from e
+    start = 8 + hlen
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = info["data_offsets"]
+        if start + hi > size:
+            raise ExportError(
+                f"{path}: tensor {name!r} ends at byte {start + hi} but the file has {size} "
+                "bytes; the file is truncated, export it again"
+            )
+    return header, buf, start
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_export(
+    root: Path,
+    version: str,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    fmt: str,
+    quantization_config: Mapping[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Writes one version under `root` atomically and keeps only the newest `keep` versions.
+
+    Returns the version folder `<root>/<version>` (it replaces an older folder of the same name).
+    """
+    root = Path(root)
+    final = root / safe_version_dir(version)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{PARTIAL_PREFIX}{version}-{os.getpid()}-{next(_partial_counter)}"
+    tmp.mkdir()
+    try:
+        hashes = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"})
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "version": version,
+            "format": fmt,
+            "created_ns": time.time_ns(),
+            "quantization_config": dict(quantization_config) if quantization_config else None,
+            "files": {TENSOR_FILE: {"size": (tmp / TENSOR_FILE).stat().st_size}},
+            "tensors": {
+                name: {
+                    "file": TENSOR_FILE,
+                    "dtype": st_dtype(arr),
+                    "shape": list(arr.shape),
+                    "sha256": hashes[name],
+                }
+                for name, arr in tensors.items()
+            },
+        }
+        # Manifest last: a folder without one is never complete.
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if final.exists():
+            trash = root / f"{PARTIAL_PREFIX}old-{version}-{os.getpid()}-{next(_partial_counter)}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    cleanup_exports(root, keep=keep)
+    return final
+
+
+def list_exports(root: Path) -> list[Path]:
+    """Complete version folders under `root`, oldest first (by the manifest's `created_ns`)."""
+    found = []
+    for d in Path(root).iterdir() if Path(root).is_dir() else []:
+        if d.name.startswith(".") or not (d / MANIFEST).is_file():
+            continue
+        try:
+            created = json.loads((d / MANIFEST).read_text())["created_ns"]
+        except (ValueError, KeyError, OSError):
+            created = 0
+        found.append((created, d))
+    return [d for _, d in sorted(found)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_exports(root: Path, *, keep: int) -> None:
+    """Deletes all but the newest `keep` versions, and partial folders of dead writers."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the served version), got {keep}")
+    for d in list_exports(root)[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+    for d in Path(root).glob(f"{PARTIAL_PREFIX}*"):
+        try:
+            pid = int(d.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def read_manifest(export_dir: Path) -> dict[str, Any]:
+    """The parsed manifest of a version folder; `ExportError` if it is missing or malformed."""
+    path = Path(export_dir) / MANIFEST
+    if not path.is_file():
+        raise ExportError(
+            f"{path} not found: {export_dir} is not a complete weight export "
+            "(write one with rollout_bridge.export.export_weights)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise ExportError(f"{path}: malformed JSON ({e}); export the weights again") from e
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ExportError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this reader needs "
+            f"{FORMAT_VERSION}; export with the same jfp8rl version as the server"
+        )
+    return manifest
+
+
+def _np_dtype(tag: str) -> np.dtype:
+    if tag in ("BF16", "F8_E4M3", "F8_E5M2"):
+        import ml_dtypes  # trainer side only; the vLLM side uses framework="pt"
+
+        return np.dtype(
+            {
+                "BF16": ml_dtypes.bfloat16,
+                "F8_E4M3": ml_dtypes.float8_e4m3fn,
+                "F8_E5M2": ml_dtypes.float8_e5m2,
+            }[tag]
+        )
+    inv = {v: k for k, v in _NP_TO_ST.items()}
+    return np.dtype(inv[tag])
+
+
+def _pt_tensor(view: memoryview, tag: str, shape: list[int]) -> Any:
+    import torch
+
+    dtypes = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+    }
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=dtypes[tag])
+    return torch.frombuffer(view, dtype=dtypes[tag]).reshape(shape)
+
+
+def load_export(
+    export_dir: str | Path,
+    *,
+    verify: bool = True,
+    framework: Literal["np", "pt"] = "np",
+    expected_version: str | None = None,
+    expected_manifest_sha256: str | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reads one version folder: ({HF name: array}, manifest).
+
+    Checks (each failure raises `ExportError` naming the file and tensor):
+      - the manifest exists and, if given, its sha256 / version are the expected ones;
+      - the tensor file has the manifest's size (a truncated file is refused);
+      - the safetensors header lists exactly the manifest's names, dtypes and shapes;
+      - with `verify`, each tensor's sha256 equals the manifest's.
+
+    `framework="np"` returns numpy arrays (bf16/fp8 as ml_dtypes); `"pt"` torch tensors (the
+    vLLM side). Arrays are views of one buffer per file; copy before mutating.
+    """
+    export_dir = Path(export_dir)
+    if expected_manifest_sha256 is not None:
+        got = sha256_file(export_dir / MANIFEST) if (export_dir / MANIFEST).is_file() else None
+        if got != expected_manifest_sha256:
+            raise ExportError(
+                f"{export_dir / MANIFEST}: sha256 {got} != expected {expected_manifest_sha256}; "
+                "the export was replaced or tampered with after the push started"
+            )
+    manifest = read_manifest(export_dir)
+    if expected_version is not None and manifest["version"] != expected_version:
+        raise ExportError(
+            f"{export_dir / MANIFEST}: holds version {manifest['version']!r}, expected "
+            f"{expected_version!r}"
+        )
+    tensors: dict[str, Any] = {}
+    by_file: dict[str, list[str]] = {}
+    for name, info in manifest["tensors"].items():
+        by_file.setdefault(info["file"], []).append(name)
+    for fname, names in by_file.items():
+        path = export_dir / fname
+        if not path.is_file():
+            raise ExportError(f"{path} listed in the manifest is missing; export again")
+        want = manifest["files"][fname]["size"]
+        if path.stat().st_size != want:
+            raise ExportError(
+                f"{path}: {path.stat().st_size} bytes, the manifest says {want}; the file is "
+                "truncated or was rewritten, export again"
+            )
+        header, buf, start = read_safetensors(path)
+        listed = {k for k in header if k != "__metadata__"}
+        if listed != set(names):
+            raise ExportError(
+                f"{path}: tensors {sorted(listed ^ set(names))[:5]} differ between the file "
+                "and the manifest"
+            )
+        mem = memoryview(buf)
+        for name in names:
+            info, hinfo = manifest["tensors"][name], header[name]
+            if hinfo["dtype"] != info["dtype"] or list(hinfo["shape"]) != list(info["shape"]):
+                raise ExportError(
+                    f"{path}: tensor {name!r} is {hinfo['dtype']}{hinfo['shape']} in the file "
+                    f"but {info['dtype']}{info['shape']} in the manifest"
+                )
+            lo, hi = hinfo["data_offsets"]
+            n_elem = int(np.prod(info["shape"], dtype=np.int64))
+            if hi - lo != n_elem * _ST_ITEMSIZE[info["dtype"]]:
+                raise ExportError(f"{path}: tensor {name!r} has {hi - lo} bytes, wrong size")
+            view = mem[start + lo : start + hi]
+            if verify and hashlib.sha256(view).hexdigest() != info["sha256"]:
+                raise ExportError(
+                    f"{path}: sha256 of tensor {name!r} does not match the manifest; the file "
+                    "was modified after export, export again"
+                )
+            if framework == "pt":
+                tensors[name] = _pt_tensor(view, info["dtype"], info["shape"])
+            else:
+                tensors[name] = np.frombuffer(view, dtype=_np_dtype(info["dtype"])).reshape(
+                    info["shape"]
+                )
+    return tensors, manifest

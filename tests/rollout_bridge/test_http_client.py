@@ -1,0 +1,213 @@
+"""`HttpBackend` error handling, without vLLM.
+
+The happy path runs against a real vLLM in test_http_client_vllm.py. A real server cannot be
+made to answer with an aborted request, a -9999 clamp, a NaN or a transient 503 on demand, so
+those paths use a stdlib HTTP server that replays canned vLLM-shaped JSON and records what the
+client sent.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge.http_client import HttpBackend
+from rollout_bridge.weight_files import load_export
+
+
+class Canned:
+    """Per-route queues of (status, body) answers and a log of (method, path, headers, body)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[tuple[int, Any]]] = {}
+        self.log: list[tuple[str, str, dict[str, str], Any]] = []
+        self.version = "default"
+
+    def reply(self, path: str, status: int, body: Any) -> None:
+        self.answers.setdefault(path, []).append((status, body))
+
+
+@pytest.fixture
+def canned() -> Iterator[tuple[Canned, str]]:
+    state = Canned()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _answer(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(n)) if n else None
+            state.log.append((self.command, self.path, dict(self.headers), body))
+            route = self.path.split("?")[0]
+            queue = state.answers.get(route)
+            if queue:
+                status, out = queue.pop(0)
+            elif route == "/v1/models":
+                status, out = 200, {"data": [{"id": "tiny", "max_model_len": 256}]}
+            elif route == "/weight_info":
+                status, out = 200, {"weight_version": state.version}
+            elif route == "/finish_weight_update":
+                state.version = body["weight_version"]
+                status, out = 200, {}
+            else:
+                status, out = 200, {}
+            raw = json.dumps(out).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        do_GET = do_POST = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _choice(index: int, ids: list[int], lps: list[float], reason: str = "length") -> dict:
+    return {
+        "index": index,
+        "finish_reason": reason,
+        "token_ids": ids,
+        "prompt_token_ids": [1, 2],
+        "logprobs": {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids]},
+    }
+
+
+def test_down_server_names_url_and_fix() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = HttpBackend(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01)
+    assert not client.health()
+    with pytest.raises(RolloutError) as err:
+        client.generate([[1, 2]], SamplingParams())
+    msg = str(err.value)
+    assert f"http://127.0.0.1:{port}" in msg and "connection refused" in msg
+    assert "after 3 attempt(s)" in msg and "vllm serve" in msg and "rollout_bridge.serve" in msg
+
+
+def test_request_fields_token_and_parsing(canned: tuple[Canned, str]) -> None:
+    state, url = canned
+    state.reply(
+        "/v1/completions",
+        200,
+        {"choices": [_choice(1, [5], [-0.5], "stop"), _choice(0, [3, 4], [-1.0, -2.0])]},
+    )
+    client = HttpBackend(url, token="s3cret")
+    comps = client.generate([[1, 2]], SamplingParams(n=2, max_tokens=2, seed=7, top_k=0))
+    assert [c.response_ids.tolist() for c in comps] == [[3, 4], [5]]  # reordered by index
+    np.testing.assert_array_equal(comps[0].logprobs, np.float32([-1.0, -2.0]))
+    assert [c.finish_reason for c in comps] == ["length", "stop"]
+    assert {c.weight_version for c in comps} == {"default"}
+    (_, _, headers, body) = next(e for e in state.log if e[1] == "/v1/completions")
+    assert headers["Authorization"] == "Bearer s3cret"
+    assert body == {
+        "model": "tiny",
+        "prompt": [[1, 2]],
+        "n": 2,
+        "max_tokens": 2,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "seed": 7,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "ignore_eos": False,
+        "stop_token_ids": [],
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    state.reply(
+        "/v1/completions",
+        200,
+        {"choices": [{"index": 0, "prompt_logprobs": [None, {"2": {"logprob": -0.25}}]}]},
+    )
+    np.testing.assert_array_equal(client.score([[1, 2]])[0], np.float32([0.0, -0.25]))
+
+
+@pytest.mark.parametrize(
+    ("choices", "match"),
+    [
+        ([_choice(0, [3], [-1.0], "abort")], "finish_reason 'abort'"),
+        ([_choice(0, [3, 4], [-1.0])], "2 token ids but 1 logprobs"),
+        ([_choice(0, [3], [-9999.0])], "clamped at -9999"),
+        ([_choice(0, [3], [float("nan")])], "NaN logprob"),
+        ([_choice(0, [3], [-1.0]), _choice(1, [3], [-1.0])], "expected 1 choices, got 2"),
+    ],
+)
+def test_malformed_responses_are_errors(
+    canned: tuple[Canned, str], choices: list[dict], match: str
+) -> None:
+    state, url = canned
+    state.reply("/v1/completions", 200, {"choices": choices})
+    with pytest.raises(RolloutError, match=match):
+        HttpBackend(url).generate([[1, 2]], SamplingParams())
+
+
+def test_transient_errors_are_retried_then_reported(canned: tuple[Canned, str]) -> None:
+    state, url = canned
+    state.reply("/v1/completions", 503, {"error": "busy"})
+    state.reply("/v1/completions", 200, {"choices": [_choice(0, [3], [-1.0])]})
+    client = HttpBackend(url, max_retries=2, backoff_s=0.01)
+    assert client.generate([[1, 2]], SamplingParams())[0].response_ids.tolist() == [3]
+    for _ in range(3):
+        state.reply("/v1/completions", 503, {"error": "busy"})
+    with pytest.raises(RolloutError, match=r"failed .*HTTP 503.* after 3 attempt\(s\)"):
+        client.generate([[1, 2]], SamplingParams())
+    state.reply("/v1/completions", 400, {"error": "prompt too long"})
+    with pytest.raises(RolloutError, match="HTTP 400.*prompt too long"):
+        client.generate([[1, 2]], SamplingParams())
+
+
+def test_push_sequence_and_resume_after_failure(canned: tuple[Canned, str], tmp_path: Path) -> None:
+    state, url = canned
+    client = HttpBackend(url, export_format="fp32", export_root=tmp_path)
+    w = {"model.norm.weight": np.arange(4, dtype=np.float32)}
+    client.push_weights(w, "step-1")
+    routes = [(m, p) for m, p, _, _ in state.log]
+    assert routes == [
+        ("POST", "/pause?mode=wait"),
+        ("POST", "/init_weight_transfer_engine"),
+        ("POST", "/start_weight_update"),
+        ("POST", "/update_weights"),
+        ("POST", "/finish_weight_update"),
+        ("POST", "/resume"),
+        ("GET", "/weight_info"),
+    ]
+    info = state.log[3][3]["update_info"]
+    tensors, manifest = load_export(
+        info["path"], expected_version="step-1", expected_manifest_sha256=info["manifest_sha256"]
+    )
+    np.testing.assert_array_equal(tensors["model.norm.weight"], w["model.norm.weight"])
+    assert state.log[1][3] == {"init_info": {"root": str(tmp_path.resolve())}}
+    assert client.weight_version() == "step-1"
+    # A refused update: no finish, but the server is resumed; init is not repeated.
+    state.log.clear()
+    state.reply("/update_weights", 500, {"error": "sha256 mismatch"})
+    with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
+        client.push_weights(w, "step-2")
+    assert [p for _, p, _, _ in state.log] == [
+        "/pause?mode=wait",
+        "/start_weight_update",
+        "/update_weights",
+        "/resume",
+    ]
+    assert client.weight_version() == "step-1"

