@@ -1,0 +1,3 @@
+"""The model side: FP8 numerics (`fp8`), the decoder (`config`, `decoder`, `functional`), HF
+checkpoint I/O (`hf_io`) and tokenizers (`tokenizer`). Import the submodules directly; this
+package imports nothing so that light users (e.g. the vLLM plugin) pay for nothing."""

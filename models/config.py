@@ -1,0 +1,391 @@
+"""The decoder's configuration: one frozen dataclass for Qwen2/Qwen2.5, Qwen3 and Llama 3.
+
+`ModelConfig` is hashable (it lives in the NNX graphdef, which is a static jit argument), so the
+Llama-3 `rope_scaling` dict is frozen into a tuple of items on construction and handed back as a
+dict by `rope_scaling_dict()`. `from_hf_config` / `to_hf_config` translate to and from an HF
+`config.json` (the classic `rope_theta` + `rope_scaling` layout, which transformers 4.x, 5.x and
+vLLM all read; transformers 5's `rope_parameters` is accepted on input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+Arch = Literal["qwen2", "qwen3", "llama"]
+
+# HF class / model_type per architecture (transformers and vLLM both key on these).
+HF_ARCHITECTURES: dict[str, str] = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Architecture hyper-parameters, named as in this code base (HF names in `to_hf_config`)."""
+
+    arch: Arch  # "qwen2" | "qwen3" | "llama": picks the HF class and the weight name map
+    vocab_size: int  # rows of the embedding and of the LM head
+    hidden_size: int  # model width d
+    intermediate_size: int  # SwiGLU hidden width
+    num_layers: int  # decoder blocks (HF: num_hidden_layers)
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA); num_heads % num_kv_heads == 0
+    head_dim: int  # per-head width (Qwen3 decouples it from hidden_size / num_heads)
+    rope_theta: float = 10000.0  # RoPE base
+    # None, or HF's dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; stored frozen.
+    rope_scaling: Any = None
+    rms_norm_eps: float = 1e-6  # epsilon inside every RMSNorm's rsqrt
+    tie_word_embeddings: bool = False  # LM head = embedding^T (no lm_head.weight tensor)
+    qkv_bias: bool = False  # bias on q/k/v projections (always on in Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int = 4096  # context the model was trained for (metadata)
+    bos_token_id: int | None = None  # written to config.json when known
+    eos_token_id: int | None = None  # written to config.json when known
+    param_dtype: Any = jnp.float32  # master weights
+    compute_dtype: Any = jnp.bfloat16  # activations and matmul inputs
+    remat: bool = False  # rematerialise each decoder layer in the backward pass
+
+    def __post_init__(self) -> None:
+        if self.arch not in HF_ARCHITECTURES:
+            raise ValueError(f"ModelConfig.arch={self.arch!r}: use one of {list(HF_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.arch == "qwen2":
+            # HF Qwen2 hard-codes q/k/v biases and derives head_dim; vLLM does the same.
+            if not self.qkv_bias:
+                raise ValueError("ModelConfig(arch='qwen2') needs qkv_bias=True (HF Qwen2 has it)")
+            if self.head_dim * self.num_heads != self.hidden_size:
+                raise ValueError(
+                    f"ModelConfig(arch='qwen2'): head_dim={self.head_dim} must equal "
+                    f"hidden_size/num_heads={self.hidden_size}/{self.num_heads}"
+                )
+        if self.qk_norm and self.arch != "qwen3":
+            raise ValueError(f"ModelConfig: qk_norm is a Qwen3 feature, arch={self.arch!r}")
+        if self.rope_scaling is not None:
+            items = (
+                self.rope_scaling.items()
+                if isinstance(self.rope_scaling, Mapping)
+                else self.rope_scaling
+            )
+            frozen = tuple(sorted((str(k), v) for k, v in items))
+            rope_type = dict(frozen).get("rope_type", dict(frozen).get("type", "default"))
+            if rope_type not in _SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"ModelConfig.rope_scaling: rope_type={rope_type!r} is not supported; "
+                    f"use one of {_SUPPORTED_ROPE_TYPES} or None"
+                )
+            object.__setattr__(self, "rope_scaling", frozen)
+        for name in ("param_dtype", "compute_dtype"):
+            object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        """The RoPE scaling as HF's dict (or None)."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (e.g. `cfg.replace(compute_dtype=jnp.float32)`)."""
+        if "rope_scaling" not in changes and self.rope_scaling is not None:
+            changes["rope_scaling"] = self.rope_scaling_dict()
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        d, f, h, k, hd = (
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+        attn = d * hd * (h + 2 * k) + h * hd * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
+        attn += 2 * hd if self.qk_norm else 0
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+    @classmethod
+    def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
+        """Builds a config from an HF `config.json` dict; `overrides` set non-HF fields
+        (param_dtype, compute_dtype, remat)."""
+        model_type = hf.get("model_type")
+        if model_type not in HF_ARCHITECTURES:
+            raise ValueError(
+                f"config.json: model_type={model_type!r} is not supported; "
+                f"supported: {list(HF_ARCHITECTURES)}"
+            )
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json ({model_type}): missing keys {missing}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' is built")
+        num_heads = int(hf["num_attention_heads"])
+        # transformers 5 folds theta and scaling into `rope_parameters`.
+        rope_params = dict(hf.get("rope_parameters") or {})
+        theta_in_params = rope_params.pop("rope_theta", None)
+        rope_theta = float(hf.get("rope_theta") or theta_in_params or 10000.0)
+        rope_scaling = hf.get("rope_scaling") or rope_params or None
+        if rope_scaling is not None:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rope_type == "default":
+                rope_scaling = None
+        if model_type == "qwen2":
+            qkv_bias = True
+        else:
+            qkv_bias = bool(hf.get("attention_bias", False))
+        if hf.get("mlp_bias", False):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):  # Llama 3.1 instruct lists several; keep the first
+            eos = eos[0] if eos else None
+        fields: dict[str, Any] = dict(
+            arch=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_config(self, dtype: str = "float32") -> dict[str, Any]:
+        """The HF `config.json` dict (transformers and vLLM load it); `dtype` names the tensors'
+        dtype as saved."""
+        hf: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict(),
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": 0.02,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "torch_dtype": dtype,
+        }
+        if self.arch == "qwen2":
+            hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        else:
+            hf.update(attention_bias=self.qkv_bias)
+        if self.arch == "qwen3":
+            hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        if self.arch == "llama":
+            hf.update(mlp_bias=False, pretraining_tp=1)
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            hf["eos_token_id"] = self.eos_token_id
+        return hf
+
+
+def _preset(**kw: Any) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    eos_token_id=256,  # the byte tokenizer's <|endoftext|>
+)
+
+# Tiny presets (tests, CPU runs) cover every feature: qkv bias + tied head (qwen2), q/k norm with
+# head_dim != hidden/heads (qwen3), llama3 RoPE scaling with an untied head (llama).
+# Real presets copy the HF config.json values of the named checkpoints.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny_qwen2": _preset(
+        arch="qwen2",
+        **_TINY,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    ),
+    "tiny_qwen3": _preset(
+        arch="qwen3",
+        **{**_TINY, "head_dim": 32},
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+    ),
+    "tiny_llama": _preset(
+        arch="llama",
+        **_TINY,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_0.6b": _preset(
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "qwen3_8b": _preset(
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "qwen3_14b": _preset(
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "qwen2.5_7b": _preset(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        max_position_embeddings=131072,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+    "qwen2.5_32b": _preset(
+        arch="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        max_position_embeddings=131072,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    ),
+    "llama3.1_8b": _preset(
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+}
+
+
+def get_config(name: str, **overrides: Any) -> ModelConfig:
+    """A preset by name, with optional field overrides (e.g. `compute_dtype=jnp.float32`)."""
+    if name not in PRESETS:
+        raise KeyError(f"model preset {name!r} is unknown; presets: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

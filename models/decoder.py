@@ -1,0 +1,301 @@
+"""The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3) as Flax NNX modules.
+
+Module attribute names follow the HF checkpoints (`model.layers[i].self_attn.q_proj.kernel` <->
+`model.layers.{i}.self_attn.q_proj.weight`), so the name map in `hf_io.py` is a plain table.
+The modules are used functionally (`models.functional`): split once, merged inside jit.
+
+Precision: params are `cfg.param_dtype` (f32 masters). Activations run in `cfg.compute_dtype`.
+Every attention/MLP projection calls the `dot_general` passed at call time (the recipe's FP8 or
+plain one), so the same params run under any recipe. Embedding lookup, RMSNorm (f32 inside),
+attention scores + softmax (f32) and the LM head (f32 accumulation, f32 logits) stay high
+precision, as in DeepSeek-V3's FP8 recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from models.config import ModelConfig
+
+DotGeneral = Callable[..., Array]
+Attend = Callable[[Array, Array, Array], Array]  # (q, k, v) -> attention output [B, T, H, E]
+_NEG_INF = -1e30  # finite, so a fully masked row (a pad query) gives a uniform, not a NaN, row
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
+    # HF's `initializer_range` default: N(0, 0.02).
+    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = dot_general(x, W) + b with W stored [in, out] (HF stores [out, in]).
+
+    x and W are cast to `compute_dtype`; the product accumulates in f32 and is cast back.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, cfg: ModelConfig, rngs: nnx.Rngs
+    ):
+        self.kernel = nnx.Param(_normal(rngs, (in_features, out_features), cfg.param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), cfg.param_dtype)) if bias else None
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, x: Float[Array, "... I"], dot_general: DotGeneral) -> Float[Array, "... O"]:
+        dt = self.compute_dtype
+        y = dot_general(
+            x.astype(dt),
+            self.kernel[...].astype(dt),
+            (((x.ndim - 1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(dt)
+
+
+class RMSNorm(nnx.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), the mean over the last axis, computed in f32."""
+
+    def __init__(self, dim: int, *, cfg: ModelConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype))
+        self.eps = cfg.rms_norm_eps
+        self.compute_dtype = cfg.compute_dtype
+
+    def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # HF casts the normalised value to the input dtype before the weight multiply.
+        return self.weight[...].astype(self.compute_dtype) * xf.astype(self.compute_dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies theta^(-2i/D), i < D/2, with Llama-3 / linear scaling, as in HF's
+    `ROPE_INIT_FUNCTIONS` (computed in f32 as there)."""
+    d = cfg.head_dim
+    inv = (
+        1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2).astype(np.float32) / d))
+    ).astype(np.float32)
+    scaling = cfg.rope_scaling_dict()
+    if scaling is None:
+        return inv
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32)
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(
+    positions: Int[Array, "B T"], inv_freq: np.ndarray
+) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
+    """cos/sin of angle = position * inv_freq, duplicated to the full head width (HF's
+    rotate-half layout), in f32."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(
+    x: Float[Array, "B T H D"], cos: Float[Array, "B T D"], sin: Float[Array, "B T D"]
+) -> Float[Array, "B T H D"]:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (halves of the head), in f32."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention(
+    q: Float[Array, "B T H D"],
+    k: Float[Array, "B S K D"],
+    v: Float[Array, "B S K D"],
+    allowed: Bool[Array, "B T S"],
+) -> Float[Array, "B T H D"]:
+    """softmax(q k^T / sqrt(D) + bias) v with GQA (query head h reads kv head h // (H/K)).
+
+    Scores and softmax in f32; `allowed[b, t, s]` is False where query t must not see key s.
+    """
+    b, t, h, d = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, h // kh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(d))
+    scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional qkv bias and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, cfg=cfg, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, cfg=cfg, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg=cfg) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg=cfg) if cfg.qk_norm else None
+
+    def project_qkv(
+        self,
+        x: Float[Array, "B T D"],
+        cos: Float[Array, "B T E"],
+        sin: Float[Array, "B T E"],
+        dot_general: DotGeneral,
+    ) -> tuple[Array, Array, Array]:
+        """q [B,T,H,E], k and v [B,T,K,E], with q/k normed (Qwen3) and rotated."""
+        b, t, _ = x.shape
+        q = self.q_proj(x, dot_general).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, dot_general).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, dot_general).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        cos: Float[Array, "B T E"],
+        sin: Float[Array, "B T E"],
+        attend: Attend,
+        dot_general: DotGeneral,
+    ) -> Float[Array, "B T D"]:
+        q, k, v = self.project_qkv(x, cos, sin, dot_general)
+        out = attend(q, k, v)
+        return self.o_proj(out.reshape(*x.shape[:2], -1), dot_general)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=False, cfg=cfg, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, cfg=cfg, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, cfg=cfg, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "B T D"], dot_general: DotGeneral) -> Float[Array, "B T D"]:
+        gate = self.gate_proj(x, dot_general)
+        up = self.up_proj(x, dot_general)
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+        return self.down_proj(h, dot_general)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)) (residual stream in compute dtype)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        cos: Float[Array, "B T E"],
+        sin: Float[Array, "B T E"],
+        attend: Attend,
+        dot_general: DotGeneral,
+    ) -> Float[Array, "B T D"]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, dot_general)
+        return x + self.mlp(self.post_attention_layernorm(x), dot_general)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D] (also the LM head when tied)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(
+            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype)
+        )
+
+    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        # "clip": an out-of-range pad id (e.g. -1) must not become NaN ("fill" mode) and leak
+        # into real tokens through 0 * NaN in the attention of masked keys.
+        return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")
+
+
+class Backbone(nnx.Module):
+    """Embedding, decoder layers and the final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.embed_tokens = Embed(cfg, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
+
+
+class Decoder(nnx.Module):
+    """The causal LM: `model` (backbone) and, when untied, `lm_head` (kernel [D, V])."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = Backbone(cfg, rngs=rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype))
+        )
+
+    def head_kernel(self) -> Float[Array, "D V"]:
+        """The LM head as [D, V] in compute dtype (the embedding transposed when tied)."""
+        w = self.model.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        return w.astype(self.cfg.compute_dtype)
+
+    def hidden_states(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        attend: Callable[[int, Array, Array, Array], Array],
+        dot_general: DotGeneral,
+        *,
+        remat: bool,
+    ) -> Float[Array, "B T D"]:
+        """Final-normed hidden states (compute dtype).
+
+        `attend(layer_index, q, k, v)` does the attention of one layer: plain masked attention
+        for a full forward, or a KV-cache read/write when decoding (`models.functional`).
+        `remat` recomputes each layer in the backward pass; it needs a side-effect-free
+        `attend`, so decoding passes False.
+        """
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        x = self.model.embed_tokens(tokens).astype(cfg.compute_dtype)
+        for i, layer in enumerate(self.model.layers):
+
+            def layer_attend(q: Array, k: Array, v: Array, i: int = i) -> Array:
+                return attend(i, q, k, v)
+
+            if remat:
+                graphdef, state = nnx.split(layer)
+
+                def run(state: nnx.State, x: Array, graphdef: Any = graphdef, fn=layer_attend):
+                    return nnx.merge(graphdef, state)(x, cos, sin, fn, dot_general)
+
+                x = jax.checkpoint(run)(state, x)
+            else:
+                x = layer(x, cos, sin, layer_attend, dot_general)
+        return self.model.norm(x)

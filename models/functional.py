@@ -1,0 +1,343 @@
+"""Pure functions over (graphdef, params): init, forward, per-token logprobs/entropy, KV decoding.
+
+The trainer and the rollout engine never hold a stateful module: `init_model` splits once, and
+every function here merges `graphdef` with `params` inside (so they jit with
+`static_argnums=0` and `static_argnames="recipe"`; graphdefs and recipes are hashable).
+
+Padding: `attention_mask` is 1 on real tokens. RoPE positions are `cumsum(mask) - 1`, so a
+left-padded row gives its first real token position 0 and its logits do not depend on the
+padding. Key s is visible to query t iff s <= t and mask[s] == 1.
+
+KV decoding (rollout): prompts are left-padded to one length P, `prefill` writes their keys and
+values into cache slots [0, P) and `decode_step` appends one token per call at slot `index`.
+Slot s of the cache holds column s of the sequence `prompt ++ generated`, so each step's logits
+equal `forward` over that sequence with the same mask. Jit `decode_step` with
+`donate_argnames="cache"` so the cache is updated in place.
+
+FP8 caveat: with per-tensor activation scaling (`fp8_tensor`) the scale is the amax over every
+token in the call, so pads and batch neighbours shift a row's numbers, and a one-token decode
+step quantizes differently from the full forward. Row and block scaling are per token, so
+padding invariance and decode == forward hold for them up to reduction order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from models import fp8
+from models.config import ModelConfig
+from models.decoder import Decoder, attention
+
+Params = nnx.State
+# Default budget for one chunk of f32 logits in `token_logprobs_and_entropy` (B x C x V x 4 B).
+LOGITS_CHUNK_BYTES = 256 * 2**20
+
+
+def init_model(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
+    """A randomly initialised model (HF init: N(0, 0.02) weights, zero biases, unit norms).
+
+    Returns `(graphdef, params)`; params is an `nnx.State` of `cfg.param_dtype` arrays.
+    """
+    model = Decoder(cfg, rngs=nnx.Rngs(params=seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
+    """`(graphdef, params)` with `jax.ShapeDtypeStruct` leaves: no memory, for loaders and
+    sharding plans."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(params=0)))
+    return nnx.split(model, nnx.Param)
+
+
+def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """RoPE positions: 0, 1, ... over the real tokens of each row (pads get the neighbour's)."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
+
+
+def _causal_allowed(attention_mask: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
+    t = attention_mask.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal[None, :, :] & attention_mask.astype(bool)[:, None, :]
+
+
+def hidden_states(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+) -> Float[Array, "B T D"]:
+    """The final-normed hidden states (compute dtype); `cfg.remat` rematerialises each layer."""
+    model: Decoder = nnx.merge(graphdef, params)
+    allowed = _causal_allowed(attention_mask)
+
+    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
+        return attention(q, k, v, allowed)
+
+    return model.hidden_states(
+        tokens,
+        positions_from_mask(attention_mask),
+        attend,
+        fp8.make_dot_general(recipe),
+        remat=model.cfg.remat,
+    )
+
+
+def _head_kernel(graphdef: nnx.GraphDef, params: Params) -> Float[Array, "D V"]:
+    return nnx.merge(graphdef, params).head_kernel()
+
+
+def _logits(h: Float[Array, "... D"], w: Float[Array, "D V"]) -> Float[Array, "... V"]:
+    # The LM head stays out of FP8: compute-dtype operands, f32 accumulation, f32 logits.
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def forward(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+) -> Float[Array, "B T V"]:
+    """f32 logits for every position; logits[:, t] predicts tokens[:, t + 1]."""
+    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe)
+    return _logits(h, _head_kernel(graphdef, params))
+
+
+def token_logprobs_and_entropy(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """Per-token log-probability of the given tokens and entropy of the predicting distribution.
+
+    With z_t = logits at position t / temperature (f32):
+        logp[:, t]    = log_softmax(z_{t-1})[tokens[:, t]]
+        entropy[:, t] = logsumexp(z_{t-1}) - sum_v softmax(z_{t-1})_v z_{t-1, v}
+    for t >= 1 where both tokens t-1 and t are real (mask 1); every other entry (t = 0, pads,
+    the first real token of a left-padded row) is 0. So `logp * response_mask` selects the
+    response tokens' log-probabilities directly.
+
+    The LM head runs over the sequence in chunks of `chunk_size` positions inside a
+    rematerialised `lax.scan`, so only a few [B, chunk_size, V] f32 blocks of logits are live,
+    in the forward and the backward pass (a 152k vocabulary at T = 8192 never builds [T, V]).
+    `chunk_size=None` picks the largest chunk whose logits fit `LOGITS_CHUNK_BYTES`.
+    """
+    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe)
+    w = _head_kernel(graphdef, params)
+    b, t, d = h.shape
+    if chunk_size is None:
+        chunk_size = LOGITS_CHUNK_BYTES // (4 * b * w.shape[1])
+    c = max(1, min(chunk_size, t))
+    n = -(-t // c)
+    pad = n * c - t
+    # Position j predicts token j + 1; the last position predicts nothing (target 0, dropped).
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    h_chunks = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, n, c, d).swapaxes(0, 1)
+    t_chunks = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk(h_c: Array, tgt_c: Array) -> tuple[Array, Array]:
+        z = _logits(h_c, w)
+        if temperature != 1.0:
+            z = z / temperature
+        lse = jax.nn.logsumexp(z, axis=-1)
+        z_tgt = jnp.take_along_axis(z, tgt_c[..., None], axis=-1)[..., 0]
+        ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
+        return z_tgt - lse, ent
+
+    def body(carry: None, xs: tuple[Array, Array]) -> tuple[None, tuple[Array, Array]]:
+        return None, chunk(*xs)
+
+    _, (lp, ent) = jax.lax.scan(body, None, (h_chunks, t_chunks))
+    lp = lp.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
+    ent = ent.swapaxes(0, 1).reshape(b, n * c)[:, : t - 1]
+    mask = attention_mask.astype(bool)
+    valid = mask[:, 1:] & mask[:, :-1]
+    zero = jnp.zeros((b, 1), jnp.float32)
+    lp = jnp.concatenate([zero, jnp.where(valid, lp, 0.0)], axis=1)
+    ent = jnp.concatenate([zero, jnp.where(valid, ent, 0.0)], axis=1)
+    return lp, ent
+
+
+def token_logprobs(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> Float[Array, "B T"]:
+    """log p(tokens[:, t] | tokens[:, :t]) in f32, entry 0 = 0 (see
+    `token_logprobs_and_entropy`)."""
+    return token_logprobs_and_entropy(
+        graphdef,
+        params,
+        tokens,
+        attention_mask,
+        recipe=recipe,
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )[0]
+
+
+def token_entropy(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> Float[Array, "B T"]:
+    """Entropy (nats, f32) of the distribution that predicts tokens[:, t], entry 0 = 0."""
+    return token_logprobs_and_entropy(
+        graphdef,
+        params,
+        tokens,
+        attention_mask,
+        recipe=recipe,
+        chunk_size=chunk_size,
+        temperature=temperature,
+    )[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache decoding
+# ----------------------------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+    """Static-shape decoding state (a pytree).
+
+    k, v:   [L, B, S, K, E] keys (after RoPE) and values, compute dtype; slot s = column s.
+    mask:   [B, S] True where slot s holds a real token.
+    pos:    [B] RoPE position of the next token (= real tokens so far in the row).
+    index:  [] the slot the next token is written to (same for every row).
+    """
+
+    k: Float[Array, "L B S K E"]
+    v: Float[Array, "L B S K E"]
+    mask: Bool[Array, "B S"]
+    pos: Int[Array, " B"]
+    index: Int[Array, ""]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation).
+
+    Writing past `max_len` is not checked under jit (the last slot would be overwritten):
+    callers size `max_len >= prompt_len + max_new_tokens`.
+    """
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, cfg.compute_dtype),
+        v=jnp.zeros(shape, cfg.compute_dtype),
+        mask=jnp.zeros((batch, max_len), bool),
+        pos=jnp.zeros((batch,), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def prefill(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B P"],
+    attention_mask: Int[Array, "B P"],
+    cache: KVCache,
+    *,
+    recipe: fp8.Recipe,
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """Runs the (left-padded) prompts, fills cache slots [0, P) and returns the f32 logits of
+    the last column (the next-token distribution; the last column must be a real token).
+
+    Starts a fresh cache: whatever `cache` held is overwritten or masked out.
+    """
+    model: Decoder = nnx.merge(graphdef, params)
+    p = tokens.shape[1]
+    if p > cache.mask.shape[1]:
+        raise ValueError(
+            f"prefill: prompt length {p} exceeds the cache length {cache.mask.shape[1]}; "
+            "size init_cache(max_len=...) for prompt + generation"
+        )
+    allowed = _causal_allowed(attention_mask)
+    keys: dict[int, Array] = {}
+    values: dict[int, Array] = {}
+
+    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
+        keys[layer], values[layer] = k, v
+        return attention(q, k, v, allowed)
+
+    h = model.hidden_states(
+        tokens,
+        positions_from_mask(attention_mask),
+        attend,
+        fp8.make_dot_general(recipe),
+        remat=False,
+    )
+    n = len(keys)
+    k_new = jnp.stack([keys[i] for i in range(n)]).astype(cache.k.dtype)
+    v_new = jnp.stack([values[i] for i in range(n)]).astype(cache.v.dtype)
+    mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
+    new_cache = KVCache(
+        k=jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, 0, 0, 0)),
+        v=jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, 0, 0, 0)),
+        mask=mask,
+        pos=jnp.sum(attention_mask.astype(jnp.int32), axis=1),
+        index=jnp.asarray(p, jnp.int32),
+    )
+    return _logits(h[:, -1], model.head_kernel()), new_cache
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    token: Int[Array, " B"],
+    cache: KVCache,
+    *,
+    recipe: fp8.Recipe,
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """Appends one token per row at slot `cache.index` and returns the f32 next-token logits.
+
+    Rows that are finished may keep feeding tokens (e.g. pad); their logits are simply ignored.
+    """
+    model: Decoder = nnx.merge(graphdef, params)
+    index = cache.index
+    slots = jnp.arange(cache.mask.shape[1])
+    mask = cache.mask | (slots == index)[None, :]
+    allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including index
+    k_all, v_all = cache.k, cache.v
+
+    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
+        nonlocal k_all, v_all
+        start = (layer, 0, index, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+        return attention(q, k_all[layer], v_all[layer], allowed)
+
+    h = model.hidden_states(
+        token[:, None],
+        cache.pos[:, None],
+        attend,
+        fp8.make_dot_general(recipe),
+        remat=False,
+    )
+    new_cache = KVCache(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
+    return _logits(h[:, 0], model.head_kernel()), new_cache

@@ -1,0 +1,331 @@
+"""HF checkpoint folders <-> (ModelConfig, params), with one explicit name map per architecture.
+
+A folder holds `config.json`, `model.safetensors` or shards (`model-0000k-of-0000n.safetensors`
++ `model.safetensors.index.json`), and the tokenizer files (`models.tokenizer`). Nothing is
+downloaded. Tensors in HF layout are [out, in]; our `Linear.kernel` is [in, out] and our untied
+`lm_head` is [D, V], so those are transposed both ways; everything else is copied as is.
+safetensors headers are parsed here (a small, documented format) so that BF16/FP8 shards read
+through ml_dtypes without monkey-patching `safetensors.numpy`; writing uses `safetensors.numpy`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from models import tokenizer as tokenizer_io
+from models.config import ModelConfig
+from models.functional import Params, abstract_model
+
+# One row per tensor: (HF name with {i} for the layer, our path with "{i}", transposed?).
+_EMBED = [("model.embed_tokens.weight", ("model", "embed_tokens", "embedding"), False)]
+_FINAL = [("model.norm.weight", ("model", "norm", "weight"), False)]
+_LM_HEAD = [("lm_head.weight", ("lm_head",), True)]
+_L = "model.layers.{i}."
+_NORMS = [
+    (_L + "input_layernorm.weight", ("input_layernorm", "weight"), False),
+    (_L + "post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), False),
+]
+_ATTN = [
+    (_L + f"self_attn.{n}_proj.weight", ("self_attn", f"{n}_proj", "kernel"), True)
+    for n in ("q", "k", "v", "o")
+]
+_QKV_BIAS = [
+    (_L + f"self_attn.{n}_proj.bias", ("self_attn", f"{n}_proj", "bias"), False)
+    for n in ("q", "k", "v")
+]
+_QK_NORM = [
+    (_L + f"self_attn.{n}_norm.weight", ("self_attn", f"{n}_norm", "weight"), False)
+    for n in ("q", "k")
+]
+_MLP = [
+    (_L + f"mlp.{n}_proj.weight", ("mlp", f"{n}_proj", "kernel"), True)
+    for n in ("gate", "up", "down")
+]
+# Per-architecture layer tables (HF modeling_qwen2 / modeling_qwen3 / modeling_llama).
+# Qwen2 always has q/k/v biases; Llama and Qwen3 get them only with `attention_bias`.
+LAYER_NAME_MAPS: dict[str, list[tuple[str, tuple[str, ...], bool]]] = {
+    "qwen2": _NORMS + _ATTN + _QKV_BIAS + _MLP,
+    "qwen3": _NORMS + _ATTN + _QK_NORM + _MLP,
+    "llama": _NORMS + _ATTN + _MLP,
+}
+# Tensors some HF checkpoints carry that the model does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_ST_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def hf_name_map(cfg: ModelConfig) -> list[tuple[str, tuple[Any, ...], bool]]:
+    """Every tensor of the model: (HF name, path in our params state, transposed?)."""
+    rows: list[tuple[str, tuple[Any, ...], bool]] = list(_EMBED)
+    layer_rows = list(LAYER_NAME_MAPS[cfg.arch])
+    if cfg.arch != "qwen2" and cfg.qkv_bias:
+        layer_rows += _QKV_BIAS
+    for i in range(cfg.num_layers):
+        for hf, ours, transposed in layer_rows:
+            rows.append((hf.format(i=i), ("model", "layers", i, *ours), transposed))
+    rows += _FINAL
+    if not cfg.tie_word_embeddings:
+        rows += _LM_HEAD
+    return rows
+
+
+def _get(tree: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
+    """Params -> {HF name: float32 numpy array in HF layout ([out, in] for linears)}."""
+    pure = nnx.to_pure_dict(params)
+    out: dict[str, np.ndarray] = {}
+    for hf, ours, transposed in hf_name_map(cfg):
+        x = np.asarray(jax.device_get(_get(pure, ours)), dtype=np.float32)
+        out[hf] = np.ascontiguousarray(x.T if transposed else x)
+    return out
+
+
+def from_hf_state_dict(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    source: str | Mapping[str, str] = "state dict",
+) -> Params:
+    """{HF name: array} -> params (`cfg.param_dtype`). Missing, unexpected or mis-shaped
+    tensors raise a ValueError naming the tensor, the expected and found shapes and the file
+    (`source`: a description, or {HF name: file} when loading a folder)."""
+    _, abstract = abstract_model(cfg)
+    pure = nnx.to_pure_dict(abstract)
+    expected_names = set()
+    for hf, ours, transposed in hf_name_map(cfg):
+        expected_names.add(hf)
+        want = tuple(_get(pure, ours).shape)
+        want_hf = want[::-1] if transposed else want
+        if hf not in tensors:
+            raise ValueError(
+                f"{_all_sources(source)}: tensor {hf!r} is missing (expected shape {want_hf} for "
+                f"{cfg.arch}, tie_word_embeddings={cfg.tie_word_embeddings}, "
+                f"qkv_bias={cfg.qkv_bias}); check config.json against the weights"
+            )
+        x = np.asarray(tensors[hf])
+        if tuple(x.shape) != want_hf:
+            raise ValueError(
+                f"{_source_of(source, hf)}: tensor {hf!r} has shape {tuple(x.shape)}, expected "
+                f"{want_hf} (HF layout) from config.json"
+            )
+        x = x.astype(np.float32)
+        _set(pure, ours, jnp.asarray(x.T if transposed else x, dtype=cfg.param_dtype))
+    unexpected = [
+        n
+        for n in tensors
+        if n not in expected_names
+        and not n.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ]
+    if unexpected:
+        raise ValueError(
+            f"{_all_sources(source)}: {len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}; "
+            f"the checkpoint does not match arch={cfg.arch!r} with {cfg.num_layers} layers"
+        )
+    nnx.replace_by_pure_dict(abstract, pure)
+    return abstract
+
+
+def _source_of(source: str | Mapping[str, str], name: str) -> str:
+    """The file a tensor came from, when `source` maps names to files."""
+    if isinstance(source, Mapping):
+        return str(source.get(name, "checkpoint"))
+    return str(source)
+
+
+def _all_sources(source: str | Mapping[str, str]) -> str:
+    if isinstance(source, Mapping):
+        return ", ".join(sorted(set(source.values()))) or "checkpoint"
+    return str(source)
+
+
+# ----------------------------------------------------------------------------------------------
+# safetensors reading (header: u64 little-endian length, JSON {name: {dtype, shape,
+# data_offsets}}, then the raw little-endian data)
+# ----------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a .safetensors file (without `__metadata__`)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return {"__data_start__": 8 + n, **header}
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one file as numpy arrays (BF16 and FP8 as ml_dtypes arrays)."""
+    path = Path(path)
+    header = read_safetensors_header(path)
+    start = header.pop("__data_start__")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        lo, hi = info["data_offsets"]
+        buf = np.asarray(data[start + lo : start + hi])
+        out[name] = buf.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"]).copy()
+    return out
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{folder}: no *.safetensors weights found (expected model.safetensors or shards "
+            "with model.safetensors.index.json)"
+        )
+    missing = [f for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"{index}: lists shard files that do not exist: {missing}")
+    return files
+
+
+def load_hf_config(folder: str | Path, **overrides: Any) -> ModelConfig:
+    """`config.json` of an HF folder as a ModelConfig (`overrides`: compute_dtype, remat...)."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: an HF model folder needs config.json")
+    try:
+        return ModelConfig.from_hf_config(json.loads(path.read_text()), **overrides)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def load_hf(folder: str | Path, **overrides: Any) -> tuple[ModelConfig, nnx.GraphDef, Params]:
+    """Loads an HF folder (config.json + safetensors, one file or shards) into the model.
+
+    `overrides` set non-HF config fields (e.g. `compute_dtype=jnp.float32`, `remat=True`).
+    The tokenizer is loaded separately: `models.tokenizer.load_tokenizer(folder)`.
+    """
+    folder = Path(folder)
+    cfg = load_hf_config(folder, **overrides)
+    tensors: dict[str, np.ndarray] = {}
+    origin: dict[str, str] = {}
+    for f in _weight_files(folder):
+        for name, x in read_safetensors(f).items():
+            if name in tensors:
+                raise ValueError(f"{f}: tensor {name!r} also appears in {origin[name]}")
+            tensors[name], origin[name] = x, str(f)
+    params = from_hf_state_dict(cfg, tensors, source=origin)
+    graphdef, _ = abstract_model(cfg)
+    return cfg, graphdef, params
+
+
+def save_hf(
+    folder: str | Path,
+    cfg: ModelConfig,
+    params: Params,
+    tokenizer: Tokenizer | None = None,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Writes an HF folder that transformers and vLLM load: config.json, float32 weights
+    (`model.safetensors`, or shards + index above `max_shard_bytes`), generation_config.json,
+    and the tokenizer files when `tokenizer` is given. Returns the folder."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = to_hf_state_dict(cfg, params)
+    (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32"), indent=2) + "\n")
+    gen = {
+        k: v
+        for k, v in (("bos_token_id", cfg.bos_token_id), ("eos_token_id", cfg.eos_token_id))
+        if v is not None
+    }
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, x in tensors.items():
+        if shards[-1] and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    for old in folder.glob("model*.safetensors"):
+        old.unlink()  # stale shards from an earlier save would be loaded too
+    index_path = folder / "model.safetensors.index.json"
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
+        index_path.unlink(missing_ok=True)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / fname), metadata=meta)
+            weight_map.update(dict.fromkeys(shard, fname))
+        total = sum(x.nbytes for x in tensors.values())
+        index_path.write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    if tokenizer is not None:
+        tokenizer_io.save_tokenizer(tokenizer, folder)
+    return folder
+
+
+def random_hf_state_dict(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random HF-layout float32 weights from numpy's legacy `RandomState` (its stream is frozen
+    across numpy versions), so golden fixtures store a seed instead of weights.
+
+    Weights ~ N(0, 0.02) (linears, embeddings), norms ~ 1 + N(0, 0.1), biases ~ N(0, 0.02);
+    filled in the order of `hf_name_map`.
+    """
+    _, abstract = abstract_model(cfg)
+    pure = nnx.to_pure_dict(abstract)
+    rng = np.random.RandomState(seed)
+    out: dict[str, np.ndarray] = {}
+    for hf, ours, transposed in hf_name_map(cfg):
+        shape = tuple(_get(pure, ours).shape)
+        shape = shape[::-1] if transposed else shape
+        if hf.endswith("norm.weight"):
+            x = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            x = 0.02 * rng.standard_normal(shape)
+        out[hf] = x.astype(np.float32)
+    return out

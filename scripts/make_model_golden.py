@@ -1,0 +1,85 @@
+"""Writes tests/models/golden/<preset>.npz: transformers' f32 logits for the tiny presets.
+
+Weights come from `models.hf_io.random_hf_state_dict(cfg, seed)` (numpy RandomState, stable
+across versions), so a fixture stores only the seed, the input tokens/mask and the logits.
+Needs torch + transformers (`pip install torch==2.13.0 transformers`):
+
+    .venv/bin/python scripts/make_model_golden.py
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from safetensors.numpy import save_file
+
+from models.config import get_config
+from models.hf_io import random_hf_state_dict
+
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "models" / "golden"
+PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
+SEED = 1234
+T = 24  # longer than the tiny llama's original_max_position_embeddings (16): exercises scaling
+
+
+def golden_inputs(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two rows: one full, one left-padded by 5 (pads hold token 0)."""
+    rng = np.random.RandomState(7)
+    tokens = rng.randint(0, vocab_size, size=(2, T)).astype(np.int32)
+    mask = np.ones((2, T), np.int32)
+    mask[1, :5] = 0
+    tokens[1, :5] = 0
+    return tokens, mask
+
+
+def hf_logits(folder: Path, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """transformers' f32 logits, positions = cumsum(mask) - 1 as in models.functional."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def write_hf_folder(folder: Path, cfg_dict: dict, tensors: dict[str, np.ndarray]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg_dict))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def main() -> None:
+    GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
+    for name in PRESETS:
+        cfg = get_config(name)
+        tensors = random_hf_state_dict(cfg, SEED)
+        tokens, mask = golden_inputs(cfg.vocab_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            write_hf_folder(Path(tmp), cfg.to_hf_config(), tensors)
+            logits = hf_logits(Path(tmp), tokens, mask)
+        out = GOLDEN_DIR / f"{name}.npz"
+        np.savez_compressed(
+            out,
+            seed=np.int64(SEED),
+            tokens=tokens,
+            mask=mask,
+            logits=logits.astype(np.float32),
+            transformers_version=np.array(transformers.__version__),
+            torch_version=np.array(torch.__version__),
+        )
+        print(f"wrote {out} ({out.stat().st_size} bytes), logits {logits.shape}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""HF folder I/O: bit-exact round trips, shards, bf16 files, and errors that name the tensor."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from _model_testlib import TINY, tiny
+from safetensors.numpy import save_file
+
+from models.hf_io import (
+    from_hf_state_dict,
+    hf_name_map,
+    load_hf,
+    read_safetensors,
+    save_hf,
+    to_hf_state_dict,
+)
+from models.tokenizer import build_byte_tokenizer, load_tokenizer
+
+
+def _assert_bit_exact(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_save_load_round_trip_is_bit_exact(name, tmp_path):
+    cfg, graphdef, params = tiny(name)
+    save_hf(tmp_path, cfg, params, tokenizer=build_byte_tokenizer())
+    cfg2, graphdef2, params2 = load_hf(tmp_path, compute_dtype=cfg.compute_dtype)
+    assert cfg2 == cfg
+    assert graphdef2 == graphdef
+    _assert_bit_exact(params, params2)
+    hf_cfg = json.loads((tmp_path / "config.json").read_text())
+    assert hf_cfg["model_type"] == cfg.arch
+    assert hf_cfg["architectures"] == [
+        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[
+            cfg.arch
+        ]
+    ]
+    assert load_tokenizer(tmp_path).encode("7*6=42").ids == list(b"7*6=42")
+
+
+def test_name_map_layout_and_tied_head():
+    cfg, _, params = tiny("tiny_llama")
+    sd = to_hf_state_dict(cfg, params)
+    assert [n for n, _, _ in hf_name_map(cfg)] == list(sd)
+    # HF layout [out, in]: q_proj maps hidden -> heads * head_dim.
+    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 64)
+    assert sd["model.layers.1.mlp.down_proj.weight"].shape == (64, 128)
+    assert sd["lm_head.weight"].shape == (512, 64)
+    np.testing.assert_array_equal(
+        sd["model.layers.0.mlp.up_proj.weight"],
+        np.asarray(params["model"]["layers"][0]["mlp"]["up_proj"]["kernel"][...]).T,
+    )
+    tied_cfg, _, tied = tiny("tiny_qwen2")
+    tied_sd = to_hf_state_dict(tied_cfg, tied)
+    assert "lm_head.weight" not in tied_sd
+    assert "model.layers.0.self_attn.q_proj.bias" in tied_sd
+    assert "model.layers.0.self_attn.q_norm.weight" in to_hf_state_dict(*tiny("tiny_qwen3")[::2])
+
+
+def test_sharded_save_loads_back(tmp_path):
+    cfg, _, params = tiny("tiny_qwen3")
+    save_hf(tmp_path, cfg, params, max_shard_bytes=100_000)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    _assert_bit_exact(params, load_hf(tmp_path, compute_dtype=cfg.compute_dtype)[2])
+
+
+def test_bf16_checkpoint_reads_as_bf16_values(tmp_path):
+    cfg, _, params = tiny("tiny_llama")
+    sd = to_hf_state_dict(cfg, params)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_config("bfloat16")))
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in sd.items()}
+    save_file(bf16, str(tmp_path / "model.safetensors"))
+    back = read_safetensors(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(
+        back["lm_head.weight"].astype(np.float32), bf16["lm_head.weight"].astype(np.float32)
+    )
+    loaded = to_hf_state_dict(cfg, load_hf(tmp_path)[2])
+    for k in sd:
+        np.testing.assert_array_equal(loaded[k], bf16[k].astype(np.float32))
+
+
+def test_wrong_shape_names_tensor_shapes_and_file(tmp_path):
+    cfg, _, params = tiny("tiny_qwen2")
+    save_hf(tmp_path, cfg, params)
+    sd = read_safetensors(tmp_path / "model.safetensors")
+    sd["model.layers.1.mlp.gate_proj.weight"] = np.zeros((128, 32), np.float32)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_hf(tmp_path)
+    msg = str(e.value)
+    assert "model.layers.1.mlp.gate_proj.weight" in msg
+    assert "(128, 32)" in msg and "(128, 64)" in msg
+    assert "model.safetensors" in msg
+
+
+def test_missing_and_unexpected_tensors_are_named():
+    cfg, _, params = tiny("tiny_qwen3")
+    sd = to_hf_state_dict(cfg, params)
+    missing = dict(sd)
+    del missing["model.layers.0.self_attn.k_norm.weight"]
+    with pytest.raises(ValueError, match=r"k_norm.weight' is missing \(expected shape \(32,\)"):
+        from_hf_state_dict(cfg, missing, source="x.safetensors")
+    extra = {**sd, "model.layers.2.mlp.up_proj.weight": np.zeros((128, 64), np.float32)}
+    with pytest.raises(ValueError, match="unexpected tensor.*layers.2.mlp.up_proj"):
+        from_hf_state_dict(cfg, extra)
+    # A tied checkpoint may carry an lm_head copy (transformers does); it is ignored.
+    from_hf_state_dict(cfg, {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]})
+
+
+def test_missing_folder_files_are_reported(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf(tmp_path)
+    cfg = tiny("tiny_qwen2")[0]
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_config()))
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_hf(tmp_path)
