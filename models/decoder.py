@@ -37,7 +37,10 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
 class Linear(nnx.Module):
     """y = dot_general(x, W) + b with W stored [in, out] (HF stores [out, in]).
 
-    x and W are cast to `compute_dtype`; the product accumulates in f32 and is cast back.
+    x is cast to `compute_dtype`; W is passed as the f32 master. An FP8 recipe quantizes the
+    master directly (the same Q(W) the weight export sends to the rollout server), while the
+    unquantized recipe casts W to x's dtype (`fp8.make_dot_general`). The product accumulates
+    in f32 and is cast back.
     """
 
     def __init__(
@@ -51,7 +54,7 @@ class Linear(nnx.Module):
         dt = self.compute_dtype
         y = dot_general(
             x.astype(dt),
-            self.kernel[...].astype(dt),
+            self.kernel[...],
             (((x.ndim - 1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32,
         )

@@ -399,8 +399,30 @@ def fp8_dot_general(
     return y.reshape(out_shape)
 
 
+def _high_precision_dot_general(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers: DimensionNumbers,
+    precision: object = None,
+    preferred_element_type: jnp.dtype | None = None,
+) -> Array:
+    """`lax.dot_general` with the weights cast to the activations' (compute) dtype."""
+    return jax.lax.dot_general(
+        lhs,
+        rhs.astype(lhs.dtype),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+
+
 def make_dot_general(recipe: Recipe) -> Callable[..., Array]:
-    """A `lax.dot_general`-compatible callable for the recipe (pass to linear layers)."""
+    """A `lax.dot_general`-compatible callable for the recipe (pass to linear layers).
+
+    Linear layers pass activations in the compute dtype and weights as f32 masters. The
+    unquantized recipe casts the weights to the activations' dtype (the BF16 baseline); FP8
+    recipes quantize the f32 masters directly, so the forward uses exactly the FP8 weights that
+    `quantize_weight` exports to the rollout server."""
     if not recipe.quantized:
-        return jax.lax.dot_general
+        return _high_precision_dot_general
     return functools.partial(fp8_dot_general, recipe=recipe)
