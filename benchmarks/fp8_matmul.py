@@ -14,11 +14,10 @@ bf16 here; the speed case is for the Hopper kernel (`backend="pallas"`, not buil
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
+from timing import median_seconds  # benchmarks/timing.py (scripts run from this folder)
 
 from models import fp8
 
@@ -28,16 +27,6 @@ SHAPES = {  # name -> (M, K, N)
     "qwen3_8b_mlp": (4096, 4096, 12288),  # 4096 tokens through Qwen3-8B's gate/up projection
 }
 LINEAR_DN = (((1,), (0,)), ((), ()))
-
-
-def _time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_shape(m: int, k: int, n: int, repeats: int) -> list[tuple[str, float, float]]:
@@ -60,9 +49,9 @@ def bench_shape(m: int, k: int, n: int, repeats: int) -> list[tuple[str, float, 
             # A random cotangent passed as an argument: a constant one would be folded.
             return jnp.sum(dot(a, b, LINEAR_DN).astype(jnp.float32) * c)
 
-        t_fwd = _time(jax.jit(fwd), x, w, repeats=repeats)
+        t_fwd = median_seconds(jax.jit(fwd), x, w, repeats=repeats)
         grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-        t_bwd = _time(grad_fn, x, w, cot, repeats=repeats)
+        t_bwd = median_seconds(grad_fn, x, w, cot, repeats=repeats)
         rows.append((label, t_fwd, t_bwd))
     return rows
 

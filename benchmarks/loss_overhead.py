@@ -13,24 +13,13 @@ a key-value sort of the ratios for scale.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from timing import median_seconds  # benchmarks/timing.py (scripts run from this folder)
 
 from losses import calibrated as C
 from losses.policy import importance_ratio, policy_loss
-
-
-def timeit(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -98,17 +87,17 @@ def main() -> None:
         ("without ratio quantiles", ()),
         ("with ratio quantiles", (0.01, 0.1, 0.5, 0.9, 0.99)),
     ):
-        tp = timeit(plain(q), (logp, old, adv, mask), args.repeats)
-        tc = timeit(calibrated(q), (logp, state, old, adv, mask), args.repeats)
+        tp = median_seconds(plain(q), logp, old, adv, mask, repeats=args.repeats)
+        tc = median_seconds(calibrated(q), logp, state, old, adv, mask, repeats=args.repeats)
         print(
             f"{label:26s} plain {tp * 1e3:9.2f} ms   calibrated {tc * 1e3:9.2f} ms   "
             f"ratio {tc / tp:5.2f}x"
         )
     # What the bound solving costs on its own, and what a sort would have cost.
     solve = jax.jit(lambda r, a, m: C.current_bounds(state, cfg, r, a, m)[1:3])
-    ts = timeit(solve, (r8, adv, mask), args.repeats)
+    ts = median_seconds(solve, r8, adv, mask, repeats=args.repeats)
     sort = jax.jit(lambda r, a: jax.lax.sort((r.reshape(-1), a.reshape(-1)), num_keys=1))
-    tsort = timeit(sort, (r8, adv), args.repeats)
+    tsort = median_seconds(sort, r8, adv, repeats=args.repeats)
     print(
         f"bound solving alone {ts * 1e3:.2f} ms (two histogram searches); a key-value sort of "
         f"the B*T ratios (the obvious alternative) takes {tsort * 1e3:.2f} ms"

@@ -21,7 +21,6 @@ tokens. Ratios are printed against vllm/fp32.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import functional as mf
-from models.config import PRESETS
+from models.config import get_config
 from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutBackend, SamplingParams
@@ -45,12 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_
 from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
 
 # ROLLOUT.md's measured model; head_dim >= 32 because vLLM's CPU attention refuses 16.
-CFG = dataclasses.replace(
-    PRESETS["tiny_qwen2"],
+CFG = get_config(
+    "tiny_qwen2_vllm",
     hidden_size=256,
     intermediate_size=768,
-    num_heads=4,
-    num_kv_heads=2,
     head_dim=64,
     compute_dtype=jnp.bfloat16,
 )

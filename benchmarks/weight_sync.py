@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from models.config import PRESETS, ModelConfig
+from models.config import PRESETS, ModelConfig, get_config
 from models.hf_io import random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, save_tokenizer
 from rollout_bridge.export import export_weights
@@ -43,14 +43,7 @@ from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
 
 MODELS: dict[str, ModelConfig] = {
     # head_dim >= 32: vLLM's CPU attention refuses 16.
-    "tiny": dataclasses.replace(
-        PRESETS["tiny_qwen2"],
-        hidden_size=128,
-        num_heads=4,
-        head_dim=32,
-        intermediate_size=256,
-        compute_dtype=jnp.float32,
-    ),
+    "tiny": get_config("tiny_qwen2_vllm", compute_dtype=jnp.float32),
     "100m": dataclasses.replace(
         PRESETS["tiny_qwen2"],
         hidden_size=768,

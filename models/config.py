@@ -259,6 +259,15 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         qk_norm=True,
     ),
+    # The smallest shape a CPU vLLM serves: its attention refuses head_dim 16 (measured).
+    "tiny_qwen2_vllm": _preset(
+        arch="qwen2",
+        **{**_TINY, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32},
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=True,
+    ),
     "tiny_llama": _preset(
         arch="llama",
         **_TINY,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from models import fp8
-from models.config import PRESETS, ModelConfig
+from models.config import ModelConfig, get_config
 from models.functional import forward, init_model, token_logprobs
 from models.hf_io import save_hf, to_hf_state_dict
 from models.tokenizer import build_byte_tokenizer
@@ -38,15 +38,7 @@ EOS = 256
 def tiny_cfg() -> ModelConfig:
     # vLLM's CPU attention supports head_dim in {32, 64, 80, ...}: the tiny preset's 16 is
     # refused ("Unsupported CPU attention configuration"), so widen the heads.
-    return dataclasses.replace(
-        PRESETS["tiny_qwen2"],
-        hidden_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-        compute_dtype=jnp.float32,
-    )
+    return get_config("tiny_qwen2_vllm", compute_dtype=jnp.float32)
 
 
 def our_logprobs(graphdef, params, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:

@@ -9,7 +9,6 @@ client cannot tell it from vLLM" means, checked on the wire rather than through 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import urllib.error
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import PRESETS
+from models.config import get_config
 from models.functional import init_model
 from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
@@ -39,15 +38,7 @@ PROMPTS = [[72, 101, 108, 108, 111, 32], [49, 43, 50, 61, 51, 10, 50, 43]]
 def servers(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     from vllm_server import VllmServer
 
-    # vLLM's CPU attention refuses head_dim 16: widen the heads (as test_http_client_vllm).
-    cfg = dataclasses.replace(
-        PRESETS["tiny_qwen2"],
-        hidden_size=128,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        intermediate_size=256,
-    )
+    cfg = get_config("tiny_qwen2_vllm")  # vLLM's CPU attention refuses head_dim 16
     _, params = init_model(cfg, 0)
     model_dir = save_hf(tmp_path_factory.mktemp("parity_hf"), cfg, params, build_byte_tokenizer())
     engine = EmbeddedBackend.from_hf_dir(
