@@ -39,8 +39,11 @@ class SamplingParams:
       temperature: softmax temperature; 0 means greedy.
       top_p: nucleus mass in (0, 1]; 1 disables it.
       top_k: keep the k most likely tokens; -1 (or 0) disables it.
-      seed: base seed; sample j of prompt i uses a seed derived from (seed, i, j), so the same
-        seed reproduces the same samples. None draws fresh randomness.
+      seed: the same seed reproduces the same samples. None draws fresh randomness. The
+        embedded engine derives sample j of prompt i's key from (seed, i, j) alone, so samples
+        do not depend on batching. vLLM seeds per request: the n samples of one prompt differ,
+        but two identical prompts in one call get identical samples (give them different
+        prompts, or n > 1, for a GRPO group).
       stop_token_ids: generation stops after emitting one of these (it is kept in the
         response, finish reason "stop"). The tokenizer's eos is added by the backend.
       ignore_eos: keep generating past eos until max_tokens.
