@@ -11,27 +11,35 @@ Per response token, with ratio r = pi_theta / pi_old and advantage A (verl 0.9.x
     loss    = agg(l * w)                                  w = rollout-correction IS weights
 
 Gradient per unit of logp: -A r w for tokens inside the trust region, exactly 0 for clipped
-tokens (A < 0 and r < lo; A > 0 and r > hi; dual-clipped). Bounds and weights are
-stop-gradient. GSPO (`ratio_level="sequence"`) replaces r by the sequence ratio
+tokens (A < 0 and r < lo; A > 0 and r > hi; dual-clipped). A token exactly ON a bound
+(r == lo or r == hi) is not clipped and keeps the full gradient, as in verl/torch (computed as
+where(pg2 > pg1, pg2, pg1): jnp.maximum / jnp.clip would give such a token 3/4 of it). Bounds
+and weights are stop-gradient. GSPO (`ratio_level="sequence"`) replaces r by the sequence ratio
 s_b = exp(mean_t(logp - old_logp)) with the token-level straight-through form of verl:
 log s_bt = logp_bt - sg(logp_bt) + sg(mean_t(logp_b - old_logp_b)), clamped above at 10.
 
 Aggregation is chosen separately (`losses.masked`): token-mean, seq-mean-token-mean,
 seq-mean-token-sum, seq-mean-token-sum-norm.
 
-Metrics (aux). Fractions are over all response tokens (verl's convention):
+Metrics (aux). Fractions are over ALL response tokens (verl's convention for pg_clipfrac and
+pg_clipfrac_lower), except the two `*_of_neg` / `*_of_pos` shares, which are over the tokens
+of that advantage sign (the quantity PAPER.md quotes: "share of negative-advantage tokens
+clipped below 0.8"; also what `calib/fp8_clipfrac_neg_lower_*` report):
     actor/pg_loss               the aggregated loss
     actor/pg_loss_num, _den     its numerator and denominator (sum both over shards, divide once)
     actor/pg_clipfrac           share of tokens where the clipped term wins (pg2 > pg1)
     actor/pg_clipfrac_lower     share of tokens cut by the dual clip (verl's name)
     actor/clipfrac_neg_lower    share of tokens with A < 0 and r < lo
     actor/clipfrac_pos_upper    share of tokens with A > 0 and r > hi
+    actor/clipfrac_neg_lower_of_neg  #{A < 0, r < lo} / #{A < 0}   (0 when no A < 0 token)
+    actor/clipfrac_pos_upper_of_pos  #{A > 0, r > hi} / #{A > 0}   (0 when no A > 0 token)
     actor/ppo_kl                masked mean of (old_logp - logp) (clamped log-ratio)
     actor/ratio_mean|min|max, actor/ratio_qNN (masked quantiles, `ratio_quantiles`)
     actor/clip_lo, actor/clip_hi  the bounds used
-    actor/sum/{tokens,clipped,dual_clipped,neg_lower,pos_upper,ppo_kl,ratio}
-                                raw sums: every fraction above is sum/{tokens}, exact under
-                                micro-batching and data parallelism
+    actor/sum/{tokens,neg,pos,clipped,dual_clipped,neg_lower,pos_upper,ppo_kl,ratio}
+                                raw sums: every fraction above is a ratio of two of them
+                                (sum/neg_lower / sum/tokens, sum/neg_lower / sum/neg, ...),
+                                exact under micro-batching and data parallelism
 """
 
 from __future__ import annotations
@@ -148,8 +156,12 @@ def policy_loss(
 
     pg1 = -adv * ratio
     pg2 = -adv * jnp.clip(ratio, lo, hi)
-    losses = jnp.maximum(pg1, pg2)
-    clipped = (pg2 > pg1) & on
+    # = max(pg1, pg2), but a token ON a bound (r == lo or r == hi: on-policy r == 1 against a
+    # calibrated bound clamped to 1, or r == L when L is a data point) keeps its full gradient
+    # as in verl/torch; jnp.maximum and jnp.clip each split a tie's gradient in half.
+    clipped = pg2 > pg1
+    losses = jnp.where(clipped, pg2, pg1)
+    clipped = clipped & on
     if dual_clip is not None:
         pg3 = -adv * dual_clip
         dual = (adv < 0) & (losses > pg3) & on
@@ -165,6 +177,8 @@ def policy_loss(
     n_tok = jnp.sum(m)
     sums = {
         "actor/sum/tokens": n_tok,
+        "actor/sum/neg": jnp.sum(((adv < 0) & on).astype(jnp.float32)),
+        "actor/sum/pos": jnp.sum(((adv > 0) & on).astype(jnp.float32)),
         "actor/sum/clipped": jnp.sum(clipped.astype(jnp.float32)),
         "actor/sum/dual_clipped": jnp.sum(dual.astype(jnp.float32)),
         "actor/sum/neg_lower": jnp.sum(((adv < 0) & (r_sg < lo) & on).astype(jnp.float32)),
@@ -180,6 +194,12 @@ def policy_loss(
         "actor/pg_clipfrac_lower": safe_div(sums["actor/sum/dual_clipped"], n_tok),
         "actor/clipfrac_neg_lower": safe_div(sums["actor/sum/neg_lower"], n_tok),
         "actor/clipfrac_pos_upper": safe_div(sums["actor/sum/pos_upper"], n_tok),
+        "actor/clipfrac_neg_lower_of_neg": safe_div(
+            sums["actor/sum/neg_lower"], sums["actor/sum/neg"]
+        ),
+        "actor/clipfrac_pos_upper_of_pos": safe_div(
+            sums["actor/sum/pos_upper"], sums["actor/sum/pos"]
+        ),
         "actor/ppo_kl": safe_div(sums["actor/sum/ppo_kl"], n_tok),
         "actor/ratio_mean": safe_div(sums["actor/sum/ratio"], n_tok),
         "actor/ratio_min": masked_min(r_sg, mask),

@@ -241,3 +241,86 @@ class MechanismTest(chex.TestCase):
         np.testing.assert_allclose(
             aux["calib/fp8_clipfrac_neg_lower_calibrated"], cal_share, rtol=1e-5
         )
+
+
+def _next_up(x):
+    return np.nextafter(np.float32(x), np.float32(np.inf))
+
+
+def brute_bounds(stats, r, adv, mask, cfg):
+    """The documented rules by sorting and scanning (float64 sums): an independent reference.
+
+    L: the point of {x : #{N, r < x} = k} nearest to 1 - eps_low (k = round(alpha |N|));
+    H (balance): the smallest float32 h in [1, range_hi] with sum_{P, r < h} A r >= p_ref * den
+    (1 + eps_high if it keeps the same P tokens below it); H (quantile): the point of
+    {h : #{P, r > h} = m} nearest to 1 + eps_high (m = round(beta_up |P|)); both clamped.
+    """
+    f32 = np.float32
+    on = mask > 0
+    neg, pos = on & (adv < 0), on & (adv > 0)
+    plo, phi = (f32(b) for b in cfg.plain_bounds)
+    rlo, rhi = (f32(b) for b in cfg.range)
+    x = np.sort(r[neg])
+    if not (bool(stats["alpha_ok"]) and len(x) > 0):
+        lower = plo
+    else:
+        k = int(np.round(f32(stats["alpha"]) * f32(len(x))))
+        c_plain = int(np.sum(x < plo))
+        if c_plain == k:
+            lower = plo
+        elif c_plain > k:
+            lower = x[k]
+        else:
+            lower = _next_up(x[k - 1])
+        lower = f32(min(max(lower, rlo), 1.0))
+    y, ay = r[pos], adv[pos].astype(np.float64)
+    if cfg.upper_rule == "balance":
+        den = np.sum(np.where(neg & (r > lower), -adv.astype(np.float64) * r, 0.0))
+        if not (bool(stats["p_ref_ok"]) and len(y) > 0 and den > 0):
+            return lower, phi
+        target = float(stats["p_ref"]) * den * (1 - cfg.solver_rtol)
+        grid = [f32(1.0)] + sorted({_next_up(v) for v in y if 1.0 <= _next_up(v) <= rhi})
+        passing = [h for h in grid if np.sum(np.where(y < h, ay * y, 0.0)) >= target]
+        if not passing:
+            return lower, rhi
+        upper = passing[0]
+        if np.sum(np.where(y < phi, ay * y, 0.0)) >= target and np.sum(y < phi) == np.sum(
+            y < upper
+        ):
+            upper = phi
+    else:
+        if not (bool(stats["beta_up_ok"]) and len(y) > 0):
+            return lower, phi
+        need = len(y) - int(np.round(f32(stats["beta_up"]) * f32(len(y))))
+        ys = np.sort(y)
+        le_plain = int(np.sum(ys <= phi))
+        if le_plain == need:
+            upper = phi
+        elif le_plain < need:
+            upper = ys[need - 1]
+        else:
+            upper = np.nextafter(ys[need], f32(-np.inf))
+    return lower, f32(min(max(upper, 1.0), rhi))
+
+
+class BruteForceTest(chex.TestCase):
+    def test_solve_bounds_matches_sorting_reference_with_ties(self):
+        solve = jax.jit(C.solve_bounds, static_argnums=4)
+        ref_stats = jax.jit(C.reference_stats, static_argnums=3)
+        rng = np.random.default_rng(21)
+        for trial in range(24):
+            adv = rng.normal(size=(6, 10)).astype(np.float32)
+            if trial % 4 == 0:
+                adv = np.round(adv).astype(np.float32)  # zero advantages: neither N nor P
+            mask = (rng.random((6, 10)) < 0.8).astype(np.float32)
+            s16, s8 = rng.uniform(0.02, 0.4, 2)
+            r16 = np.exp(rng.normal(0, s16, (6, 10))).astype(np.float32)
+            r8 = (r16 * np.exp(rng.normal(0, s8, (6, 10)))).astype(np.float32)
+            if trial % 3 == 0:
+                r8 = np.round(r8, 2).astype(np.float32)  # ties among the FP8 ratios
+            for rule in ("balance", "quantile"):
+                cfg = dataclasses.replace(CFG, upper_rule=rule)
+                stats = ref_stats(r16, adv, mask, cfg)
+                got = [np.float32(b) for b in solve(stats, r8, adv, mask, cfg)]
+                want = brute_bounds(stats, r8, adv, mask, cfg)
+                assert got == list(want), (trial, rule, got, want)

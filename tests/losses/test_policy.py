@@ -109,6 +109,10 @@ class HandComputedTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_allclose(aux["actor/clipfrac_neg_lower"], 1 / 7, rtol=1e-6)
         np.testing.assert_allclose(aux["actor/clipfrac_pos_upper"], 1 / 7, rtol=1e-6)
         np.testing.assert_allclose(aux["actor/pg_clipfrac_lower"], 1 / 7, rtol=1e-6)
+        # Over the tokens of one sign: 1 of the 4 A < 0 tokens, 1 of the 3 A > 0 tokens.
+        np.testing.assert_allclose(aux["actor/clipfrac_neg_lower_of_neg"], 1 / 4, rtol=1e-6)
+        np.testing.assert_allclose(aux["actor/clipfrac_pos_upper_of_pos"], 1 / 3, rtol=1e-6)
+        assert float(aux["actor/sum/neg"]) == 4.0 and float(aux["actor/sum/pos"]) == 3.0
         kl = -np.log(RATIOS)[MASK > 0].mean()
         np.testing.assert_allclose(aux["actor/ppo_kl"], kl, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(aux["actor/ratio_max"], 4.0, rtol=1e-6)
@@ -161,6 +165,56 @@ class HandComputedTest(chex.TestCase, parameterized.TestCase):
         inside = np.array([[1, 1, 0, 0], [1, 0, 0, 1]], bool)  # clipped, dual-clipped, padding: 0
         expected = np.where(inside, -ADV * RATIOS * np.asarray(w) / 7.0, 0.0)
         np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-7)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_on_a_bound_keeps_full_gradient(self):
+        # verl/torch: a token with r exactly on a bound is not clipped (pg_clipfrac counts
+        # pg2 > pg1 only) and its gradient is the full -A r / n (torch.clamp passes the
+        # gradient at its bounds; torch.maximum splits a tie evenly between equal branches).
+        # Realistic: on-policy r == 1 against a calibrated bound clamped to 1. Hand case,
+        # token-mean over 4 tokens: r = (1, 1, 1, 1), A = (-1, +2, -3, +0.5), lo = hi = 1.
+        zeros = jnp.zeros((1, 4), jnp.float32)
+        adv = jnp.asarray([[-1.0, 2.0, -3.0, 0.5]])
+        mask = jnp.ones((1, 4), jnp.float32)
+
+        def f(lp):
+            return policy_loss(
+                lp,
+                zeros,
+                adv,
+                mask,
+                clip_low=1.0,
+                clip_high=1.0,
+                agg_mode="token-mean",
+                ratio_quantiles=(),
+            )
+
+        (loss, aux), g = self.variant(jax.value_and_grad(f, has_aux=True))(zeros)
+        np.testing.assert_allclose(g, [[0.25, -0.5, 0.75, -0.125]], rtol=1e-6)
+        np.testing.assert_allclose(loss, (1.0 - 2.0 + 3.0 - 0.5) / 4, rtol=1e-6)
+        assert float(aux["actor/pg_clipfrac"]) == 0.0
+        # Bounds equal to tokens' own ratios (Calibrated Clipping's L = x_(k), quantile-rule
+        # H = y_(j)): full gradient on those tokens, zero on the one strictly below lo.
+        logp = jnp.log(jnp.asarray([[0.7, 0.9, 1.1, 1.2]], jnp.float32))
+        adv = jnp.asarray([[-1.0, -1.0, 1.0, 1.0]])
+        r = np.exp(np.asarray(logp))
+        r_jax = jnp.exp(jnp.clip(logp - zeros, -20.0, 20.0))  # as the loss computes it
+        lo, hi = float(r_jax[0, 1]), float(r_jax[0, 3])
+
+        def f2(lp):
+            return policy_loss(
+                lp,
+                zeros,
+                adv,
+                mask,
+                clip_low=lo,
+                clip_high=hi,
+                agg_mode="token-mean",
+                ratio_quantiles=(),
+            )[0]
+
+        g = self.variant(jax.grad(f2))(logp)
+        np.testing.assert_allclose(g, [[0.0, r[0, 1] / 4, -r[0, 2] / 4, -r[0, 3] / 4]], rtol=1e-5)
 
 
 class ReferenceTest(chex.TestCase, parameterized.TestCase):
