@@ -1,0 +1,397 @@
+"""Typed run configuration: dataclasses -> OmegaConf structured config -> YAML + dotted overrides.
+
+`load_config(yaml_path, overrides)` merges, in order, the dataclass defaults, the YAML file and
+command-line overrides (`optim.lr=3e-4 algorithm.name=dapo`). OmegaConf checks every key and
+type against the dataclasses; an unknown key or a wrong type raises `ConfigError` naming the
+full key (e.g. `optim.lrr`) and the file it came from. Field values are then checked by each
+dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config.yaml` by
+`save_config`, and that file loads back into an equal `Config`.
+
+Sections (one dataclass each): model, warmstart, data, rollout, reward, algorithm,
+calibration, train, optim, checkpoint, logging. Hyperparameter names follow verl where one
+exists (`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo")
+RECIPES = ("bf16", "fp8_tensor", "fp8_row", "fp8_block")
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid; the message names the key and, if known, the file."""
+
+
+def _check_choice(section: str, name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{section}.{name}={value!r} is not one of {list(choices)}")
+
+
+def _check_positive(section: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{section}.{name}={value!r} must be {bound}")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    # HF folder of the base policy (config.json + safetensors + tokenizer.json). Empty: build
+    # (once, then cached) the built-in tiny base policy with a supervised warm start.
+    path: str = ""
+    # Architecture preset (models.config.PRESETS) of the built-in base policy; unused with path.
+    preset: str = "tiny_arith"
+    # Activation / matmul-input dtype ("bfloat16" as in the paper; "float32" is faster on CPU).
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    # Supervised steps on the built-in task; tuned so the base policy is weak but not useless.
+    steps: int = 150
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    # Built-in task: probability that a warm-start label is the carry-less sum (58+67 -> "15")
+    # instead of the true one: a systematic bad habit for RL to remove (0 = clean labels).
+    carry_noise: float = 0.0
+    # Base policies are cached here under a hash of (preset, task, warm start) settings.
+    cache_dir: str = "runs/.base_policies"
+
+    def __post_init__(self) -> None:
+        _check_positive("warmstart", "steps", self.steps, allow_zero=True)
+        _check_positive("warmstart", "batch_size", self.batch_size)
+        _check_positive("warmstart", "lr", self.lr)
+        if not 0 <= self.carry_noise <= 1:
+            raise ConfigError(f"warmstart.carry_noise={self.carry_noise} must be in [0, 1]")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    # "arithmetic": the built-in a+b task; "jsonl": `train_file` / `eval_file` with one
+    # {"prompt": str, "answer": str, ...} object per line.
+    task: str = "arithmetic"
+    train_file: str = ""
+    eval_file: str = ""
+    # Built-in task: operands have 1..max_digits digits; eval_size held-out problems.
+    max_digits: int = 2
+    eval_size: int = 256
+    # Prompts per RL step (before the n samples each).
+    batch_size: int = 16
+    # Prompts are padded (or rejected, naming the example) to this many tokens.
+    max_prompt_tokens: int = 8
+    # Seed of the per-epoch shuffle of the training prompts.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("data", "task", self.task, ("arithmetic", "jsonl"))
+        if self.task == "jsonl" and not self.train_file:
+            raise ConfigError("data.task=jsonl needs data.train_file=<path to a .jsonl file>")
+        _check_positive("data", "batch_size", self.batch_size)
+        _check_positive("data", "max_prompt_tokens", self.max_prompt_tokens)
+        _check_positive("data", "eval_size", self.eval_size, allow_zero=True)
+        if not 1 <= self.max_digits <= 6:
+            raise ConfigError(f"data.max_digits={self.max_digits} must be in [1, 6]")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    # "embedded": in-process JAX engine; "http": a vLLM or `python -m rollout_bridge.serve`.
+    backend: str = "embedded"
+    url: str = "http://127.0.0.1:8000"
+    # Bearer token for the HTTP server; empty = none.
+    api_key: str = ""
+    # FP8 recipe of the rollout engine (models.fp8.get_recipe names); embedded backend only.
+    recipe: str = "fp8_block"
+    # Samples per prompt (the GRPO group size).
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 6
+    # Seconds before an HTTP request is retried.
+    timeout_s: float = 60.0
+    # Format of pushed weights (rollout_bridge.export): "fp8" (block-FP8 checkpoint format, a
+    # GPU vLLM), "fp8_fp32" (FP8-rounded values in fp32, a CPU vLLM), "bf16", "fp32";
+    # empty = the backend's default (embedded: fp8 for an FP8 block recipe).
+    export_format: str = ""
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts,
+    # at most `max_rounds` extra rounds; slots still empty are filled with dropped groups whose
+    # loss mask is zero (static shapes), and counted in `rollout/filled_groups`.
+    dynamic_sampling: bool = False
+    max_rounds: int = 2
+
+    def __post_init__(self) -> None:
+        _check_choice("rollout", "backend", self.backend, ("embedded", "http"))
+        _check_choice("rollout", "recipe", self.recipe, RECIPES)
+        _check_choice(
+            "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")
+        )
+        _check_positive("rollout", "n", self.n)
+        _check_positive("rollout", "max_tokens", self.max_tokens)
+        _check_positive("rollout", "temperature", self.temperature)
+        _check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    # "task": the built-in task's verifier; "exact": exact string match after stripping;
+    # "math": math-verify equivalence of the last boxed / final answer.
+    kind: str = "task"
+    # DAPO soft overlong punishment over the last `overlong_buffer` tokens of max_tokens.
+    overlong: bool = False
+    overlong_buffer: int = 2
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_choice("reward", "kind", self.kind, ("task", "exact", "math"))
+        _check_positive("reward", "overlong_buffer", self.overlong_buffer)
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    # Loss family (losses.registry): grpo | dapo | dr_grpo | gspo.
+    name: str = "grpo"
+    # "plain": fixed [1 - eps_low, 1 + eps_high]; "calibrated": Calibrated Clipping bounds.
+    clip: str = "calibrated"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    # Dual-clip constant for A < 0 (verl's clip_ratio_c); 0 disables it.
+    dual_clip: float = 3.0
+    # Rollout correction: "tis" (min(rho, C)), "mis" (rho * [rho <= C]) or "none".
+    correction: str = "tis"
+    correction_level: str = "token"
+    tis_cap: float = 2.0
+    # k3 KL to the base policy as a loss term (0 disables it and the reference forward).
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm", "name", self.name, ALGORITHMS)
+        _check_choice("algorithm", "clip", self.clip, ("plain", "calibrated"))
+        _check_choice("algorithm", "correction", self.correction, ("tis", "mis", "none"))
+        _check_choice("algorithm", "correction_level", self.correction_level, ("token", "sequence"))
+        _check_positive("algorithm", "eps_low", self.eps_low)
+        _check_positive("algorithm", "eps_high", self.eps_high)
+        if self.eps_low >= 1:
+            raise ConfigError(f"algorithm.eps_low={self.eps_low} must be < 1")
+        _check_positive("algorithm", "tis_cap", self.tis_cap)
+        _check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
+
+
+@dataclasses.dataclass
+class CalibrationConfig:
+    # Recalibrate (BF16 shadow logprobs) every `every` steps, starting at step 1.
+    every: int = 20
+    # EMA factor beta for the bounds: L <- beta * L_prev + (1 - beta) * L_new.
+    ema: float = 0.9
+    # Clamp range [range_lo, range_hi] of the calibrated bounds.
+    range_lo: float = 0.6
+    range_hi: float = 1.8
+    # "track": recompute L, H every mini-batch from stored alpha, p_ref; "hold": keep L, H.
+    mode: str = "track"
+    # "balance" (match BF16's positive/negative balance) or "quantile".
+    upper_rule: str = "balance"
+
+    def __post_init__(self) -> None:
+        _check_positive("calibration", "every", self.every)
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"calibration.ema={self.ema} must be in [0, 1)")
+        if not 0 < self.range_lo <= 1 <= self.range_hi:
+            raise ConfigError(
+                f"calibration.range_lo={self.range_lo}, range_hi={self.range_hi}: "
+                "need 0 < range_lo <= 1 <= range_hi"
+            )
+        _check_choice("calibration", "mode", self.mode, ("track", "hold"))
+        _check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile"))
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # FP8 recipe of the trainer's forward/backward (models.fp8.get_recipe names).
+    recipe: str = "fp8_block"
+    steps: int = 60
+    ppo_epochs: int = 1
+    # Mini-batches per PPO epoch (each one optimizer update); must divide the sample count.
+    mini_batches: int = 4
+    seed: int = 0
+    # Greedy accuracy on the eval set every `eval_every` steps (0 = only before and after).
+    eval_every: int = 20
+    # Non-finite loss/grads skip the update; this many in a row stop the run.
+    max_nonfinite: int = 3
+    # Stop after this many steps even if train.steps is larger (tests of resume); 0 = off.
+    stop_after: int = 0
+    # JAX persistent compilation cache folder (reruns skip compiling); empty = off.
+    jax_cache_dir: str = ""
+    # Devices of the `data` mesh axis (params replicated, samples split); mini-batches must
+    # divide evenly. 1 = single device.
+    num_devices: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("train", "recipe", self.recipe, RECIPES)
+        _check_positive("train", "steps", self.steps)
+        _check_positive("train", "ppo_epochs", self.ppo_epochs)
+        _check_positive("train", "mini_batches", self.mini_batches)
+        _check_positive("train", "eval_every", self.eval_every, allow_zero=True)
+        _check_positive("train", "max_nonfinite", self.max_nonfinite)
+        _check_positive("train", "num_devices", self.num_devices)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    # AdamW on FP32 masters, global-norm clip, linear warmup then constant.
+    lr: float = 2e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+
+    def __post_init__(self) -> None:
+        _check_positive("optim", "lr", self.lr)
+        _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        _check_positive("optim", "grad_clip", self.grad_clip)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    # Save every `every` steps and at the end; keep the newest `keep`.
+    every: int = 20
+    keep: int = 2
+    # Write the final policy as an HF folder `<run_dir>/hf_final` (vLLM can serve it).
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("checkpoint", "every", self.every)
+        _check_positive("checkpoint", "keep", self.keep)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    # "line": one line per step with rate and ETA; "none": silent (metrics.jsonl still written).
+    console: str = "line"
+    tensorboard: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("logging", "console", self.console, ("line", "none"))
+
+
+@dataclasses.dataclass
+class Config:
+    # Run folder: config.yaml, metrics.jsonl, tb/, checkpoints/, hf_final/.
+    run_dir: str = "runs/tiny_cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        a, c = self.algorithm, self.calibration
+        if c.range_lo > 1 - a.eps_low or c.range_hi < 1 + a.eps_high:
+            raise ConfigError(
+                f"calibration.range_lo={c.range_lo} / range_hi={c.range_hi} must contain the plain "
+                f"bounds [1 - algorithm.eps_low, 1 + algorithm.eps_high] = "
+                f"[{1 - a.eps_low:g}, {1 + a.eps_high:g}]"
+            )
+        samples = self.data.batch_size * self.rollout.n
+        if samples % self.train.mini_batches:
+            raise ConfigError(
+                f"train.mini_batches={self.train.mini_batches} must divide "
+                f"data.batch_size * rollout.n = {samples}"
+            )
+        if (samples // self.train.mini_batches) % self.train.num_devices:
+            raise ConfigError(
+                f"train.num_devices={self.train.num_devices} must divide the mini-batch size "
+                f"{samples // self.train.mini_batches} (data.batch_size * rollout.n / "
+                "train.mini_batches)"
+            )
+
+
+def _describe(err: OmegaConfBaseException) -> str:
+    """OmegaConf's message without its multi-line context, plus the full key."""
+    key = getattr(err, "full_key", None)
+    msg = str(err).split("\n")[0]
+    return f"key {key!r}: {msg}" if key else msg
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Defaults <- YAML file `path` <- dotted `overrides`; returns a validated `Config`.
+
+    Raises `ConfigError` naming the key (and file) for unknown keys, wrong types, bad values,
+    a missing file or a malformed override.
+    """
+    base = OmegaConf.structured(Config)
+    file_missing: set[str] = set()
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {p} not found (pass --config configs/<name>.yaml)")
+            try:
+                from_file = OmegaConf.load(p)
+            except Exception as e:  # yaml.YAMLError and friends: name the file
+                raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            file_missing = set(OmegaConf.missing_keys(from_file))
+            try:
+                base = OmegaConf.merge(base, from_file)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{p}: {_describe(e)}") from e
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+        # `key=` means the empty string (OmegaConf would read it as null).
+        dotlist = [item + "''" if item.endswith("=") else item for item in overrides]
+        try:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"command-line override: {_describe(e)}") from e
+        # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
+        # file's mandatory keys are checked against what the overrides set.
+        given = {item.split("=", 1)[0] for item in overrides}
+        missing = sorted(k for k in file_missing if k not in given)
+        if missing:
+            raise ConfigError(
+                f"{path or 'config'}: no value for {', '.join(missing)} (marked ???); set "
+                + " ".join(f"{k}=..." for k in missing)
+                + " on the command line"
+            )
+        try:
+            cfg = OmegaConf.to_object(base)
+        except OmegaConfBaseException as e:
+            raise ConfigError(_describe(e)) from e
+    except ConfigError:
+        raise
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (loads back with `load_config`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, run_dir: str | Path) -> Path:
+    """Writes `<run_dir>/config.yaml` and returns its path."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg))
+    return out

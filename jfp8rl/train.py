@@ -1,0 +1,49 @@
+"""`python -m jfp8rl.train --config configs/tiny_cpu.yaml [section.key=value ...] [--resume]`.
+
+Loads the config (`jfp8rl.config`: YAML + dotted overrides) and runs `jfp8rl.loop.run`. A run
+folder that already holds a checkpoint is resumed automatically (`--resume` insists on one,
+`--fresh` refuses one).
+
+Exit codes: 0 done; 2 bad configuration or data; 1 the run stopped (rollout backend failure,
+too many non-finite updates): the message names the last checkpoint and the resume command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jfp8rl.config import ConfigError, load_config
+from jfp8rl.data import DataError
+from jfp8rl.loop import RunStopped, run
+from rollout_bridge.backend import RolloutError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit code (module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jfp8rl.train",
+        description="FP8 RL training (GRPO/DAPO with Calibrated Clipping).",
+    )
+    parser.add_argument(
+        "--config", required=True, help="YAML run config, e.g. configs/tiny_cpu.yaml"
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
+    group.add_argument("--fresh", action="store_true", help="refuse a run folder with checkpoints")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        run(cfg, resume="require" if args.resume else "never" if args.fresh else "auto")
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (RunStopped, RolloutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

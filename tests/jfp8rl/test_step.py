@@ -1,0 +1,145 @@
+"""The trainer's pure parts against independent numpy references: response gathering, batch
+packing, `prepare` (old logprobs, GRPO advantages, TIS weights) and the non-finite skip."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jfp8rl.mesh import make_mesh, put_batch
+from jfp8rl.rollout import pack
+from jfp8rl.step import OptimSettings, default_settings, gather_response, make_step_fns
+from losses.calibrated import CalibConfig, init_calib_state
+from losses.registry import get_algorithm
+from models import functional as mf
+from models.config import get_config
+from rollout_bridge.backend import Completion
+
+
+def test_gather_response_matches_loop() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 9)).astype(np.float32)
+    plen = np.array([2, 5, 3], np.int32)
+    got = np.asarray(gather_response(jnp.asarray(x), jnp.asarray(plen), 4))
+    for i in range(3):
+        for j in range(4):
+            assert got[i, j] == x[i, min(plen[i] + j, 8)]
+
+
+def _completion(i: int, prompt: tuple[int, ...], resp: list[int], lps: list[float]) -> Completion:
+    return Completion(
+        prompt_index=i, prompt_ids=prompt, response_ids=np.array(resp, np.int32),
+        logprobs=np.array(lps, np.float32), finish_reason="stop", weight_version="v",
+    )  # fmt: skip
+
+
+def test_pack_layout() -> None:
+    comps = [
+        _completion(0, (5, 6, 7), [8, 9], [-0.5, -0.25]),
+        _completion(1, (5,), [1, 2, 3], [-1.0, -2.0, -3.0]),
+    ]
+    b = pack(comps, np.array([1.0, 0.0]), np.array([1.0, 0.0]), np.array([True, False]),
+             max_prompt_tokens=4, max_tokens=3, pad_id=256)  # fmt: skip
+    np.testing.assert_array_equal(
+        b.tokens, [[5, 6, 7, 8, 9, 256, 256], [5, 1, 2, 3, 256, 256, 256]]
+    )
+    np.testing.assert_array_equal(b.attention_mask, [[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(b.prompt_lens, [3, 1])
+    # Sample 1 belongs to a dropped group: its loss mask is zero.
+    np.testing.assert_array_equal(b.response_mask, [[1, 1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(b.rollout_logp, [[-0.5, -0.25, 0], [-1, -2, -3]])
+    np.testing.assert_array_equal(b.response_lens, [2, 3])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = get_config("tiny_qwen3", compute_dtype=jnp.float32)
+    graphdef, params = mf.init_model(cfg, 0)
+    algo = get_algorithm("grpo").__class__(name="grpo", agg_mode="seq-mean-token-mean")
+    calib = CalibConfig(eps_low=0.2, eps_high=0.2)
+    settings = default_settings(
+        algo, train_recipe="fp8_block", calibrated=True, calib_cfg=calib, correction="tis",
+        correction_level="token", tis_cap=2.0, group_size=4,
+    )  # fmt: skip
+    fns = make_step_fns(
+        graphdef, settings, OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999), make_mesh(1)
+    )
+    rng = np.random.default_rng(1)
+    n, p, r = 8, 4, 3
+    tokens = rng.integers(0, 256, size=(n, p + r)).astype(np.int32)
+    plen = rng.integers(2, p + 1, size=n).astype(np.int32)
+    rlen = rng.integers(1, r + 1, size=n).astype(np.int32)
+    attn = np.zeros((n, p + r), np.int32)
+    resp_mask = np.zeros((n, r), np.float32)
+    for i in range(n):
+        attn[i, : plen[i] + rlen[i]] = 1
+        resp_mask[i, : rlen[i]] = 1
+    batch = {
+        "tokens": tokens, "attention_mask": attn, "prompt_lens": plen,
+        "response_mask": resp_mask,
+        "rollout_logp": (-rng.uniform(0.5, 8.0, size=(n, r)) * resp_mask).astype(np.float32),
+        "rewards": np.array([1, 0, 0, 1, 0, 0, 0, 1], np.float32),
+        "response_lens": rlen,
+    }  # fmt: skip
+    return cfg, graphdef, params, fns, batch
+
+
+def test_prepare_matches_numpy_reference(tiny) -> None:
+    cfg, graphdef, params, fns, batch = tiny
+    out = fns.prepare(params, None, put_batch(batch, make_mesh(1)))
+    # Old logprobs: the model's own per-token logprobs, moved to the response layout.
+    from models.fp8 import get_recipe
+
+    lp = np.asarray(mf.token_logprobs(graphdef, params, jnp.asarray(batch["tokens"]),
+                                      jnp.asarray(batch["attention_mask"]),
+                                      recipe=get_recipe("fp8_block")))  # fmt: skip
+    m = batch["response_mask"]
+    want_old = np.zeros_like(m)
+    for i in range(8):
+        for j in range(3):
+            if m[i, j]:
+                want_old[i, j] = lp[i, batch["prompt_lens"][i] + j]
+    np.testing.assert_allclose(np.asarray(out["old_logp"]), want_old, rtol=0, atol=1e-6)
+    # GRPO advantages: (R - mean_G) / (std_G + 1e-6), unbiased std, groups of 4.
+    g = batch["rewards"].astype(np.float64).reshape(2, 4)
+    adv = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+    np.testing.assert_allclose(np.asarray(out["advantages"]), adv[:, None] * m, rtol=1e-5)
+    # TIS: min(exp(old - rollout), 2) on response tokens.
+    w = np.minimum(np.exp(want_old.astype(np.float64) - batch["rollout_logp"]), 2.0) * m
+    np.testing.assert_allclose(np.asarray(out["is_weights"]), w, rtol=1e-5)
+    # The BF16 shadow pass differs from the FP8 one, but only by quantization noise.
+    d = np.abs(np.asarray(out["old_logp_bf16"]) - want_old)[m > 0]
+    assert 0 < d.max() < 0.5
+
+
+def test_nonfinite_update_is_skipped(tiny) -> None:
+    cfg, graphdef, params, fns, batch = tiny
+    out = fns.prepare(params, None, put_batch(batch, make_mesh(1)))
+    mb = {
+        k: batch[k]
+        for k in ("tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp")
+    }
+    mb.update(
+        {k: np.asarray(out[k]) for k in ("old_logp", "old_logp_bf16", "advantages", "is_weights")}
+    )
+    opt_state = fns.optimizer.init(params)
+    calib = lambda: init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2))  # noqa: E731
+    copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
+    # A finite mini-batch moves the params.
+    st, mets = fns.update({"params": copy(params), "opt_state": opt_state, "calib": calib()},
+                          put_batch(mb, make_mesh(1)), False)  # fmt: skip
+    assert float(mets["actor/nonfinite"]) == 0.0
+    moved = [
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(params), strict=True)
+    ]
+    assert any(moved)
+    # A NaN advantage makes loss and grads NaN: the update is skipped, params unchanged.
+    bad = dict(mb, advantages=np.where(mb["response_mask"] > 0, np.nan, 0.0).astype(np.float32))
+    st, mets = fns.update({"params": copy(params), "opt_state": fns.optimizer.init(params), "calib": calib()},
+                          put_batch(bad, make_mesh(1)), False)  # fmt: skip
+    assert float(mets["actor/nonfinite"]) == 1.0
+    for a, b in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
