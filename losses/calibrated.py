@@ -359,14 +359,18 @@ def current_bounds(
     r_fp8: Float[Array, "B T"],
     adv: Float[Array, "B T"],
     mask: Array,
+    on_policy: bool | Bool[Array, ""] = False,
 ) -> tuple[CalibState, Array, Array, dict[str, Array]]:
     """Bounds (lo, hi) for this mini-batch's loss, and the state to carry on.
 
     Before the first calibration: the plain bounds, state unchanged. `hold`: the stored bounds.
     `track`: re-solve L, H from these FP8 ratios with the stored alpha / p_ref / beta_up,
-    smooth them with the stored bounds (EMA), store and return them; mini-batches whose ratios
-    are all exactly 1 leave the state unchanged. Returns (state, lo, hi, aux); lo and hi are
-    stop-gradient scalars.
+    smooth them with the stored bounds (EMA), store and return them. An on-policy mini-batch
+    (params == old params: pass `on_policy=True`, e.g. the first mini-batch of a step) or one
+    whose ratios are all exactly 1 leaves the state unchanged. The caller's flag is what makes
+    this robust: an on-policy r is 1 only up to the rounding of two compiled programs (1 ulp
+    apart with another device count or jax version), and bounds solved from that noise would
+    drag the EMA towards 1. Returns (state, lo, hi, aux); lo and hi are stop-gradient scalars.
     """
     plain_lo, plain_hi = cfg.plain_bounds
     if cfg.mode == "hold":
@@ -378,7 +382,7 @@ def current_bounds(
     else:
         lo_raw, hi_raw = solve_bounds(_stats_of(state), r_fp8, adv, mask, cfg)
         r_on = jnp.where(mask != 0, jax.lax.stop_gradient(r_fp8), 1.0)
-        informative = jnp.any(r_on != 1.0)
+        informative = jnp.any(r_on != 1.0) & ~jnp.asarray(on_policy)
         updated = state.initialized & informative
         lo = jnp.where(updated, cfg.ema * state.lower + (1 - cfg.ema) * lo_raw, state.lower)
         hi = jnp.where(updated, cfg.ema * state.upper + (1 - cfg.ema) * hi_raw, state.upper)

@@ -177,6 +177,13 @@ class ModesTest(chex.TestCase):
         s3, lo3, hi3, aux3 = BOUNDS(s2, CFG, np.ones_like(r8b), adv, mask)
         np.testing.assert_allclose([lo3, hi3], [s2.lower, s2.upper])
         assert int(s3.n_updates) == 1 and float(aux3["calib/updated"]) == 0.0
+        # The caller says on-policy: no update even when rounding moved r off 1 by an ulp.
+        r_ulp = np.where(np.arange(r8b.size).reshape(r8b.shape) % 7 == 0, 1 + 2**-23, 1.0)
+        s4, lo4, hi4, aux4 = BOUNDS(s2, CFG, r_ulp.astype(np.float32), adv, mask, True)
+        np.testing.assert_allclose([lo4, hi4], [s2.lower, s2.upper])
+        assert int(s4.n_updates) == 1 and float(aux4["calib/updated"]) == 0.0
+        _, _, _, aux5 = BOUNDS(s2, CFG, r_ulp.astype(np.float32), adv, mask, False)
+        assert float(aux5["calib/updated"]) == 1.0  # without the flag, the ulp counts as moved
 
     def test_calibration_smooths_with_previous_bounds(self):
         r8, r16, adv, mask = make_batch(11)
