@@ -315,7 +315,8 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
                     idx = perm[m * mb_size : (m + 1) * mb_size]
                     mb = {k: v[idx] for k, v in full.items()}
                     sub = {k: state[k] for k in ("params", "opt_state", "calib")}
-                    new, mets = fns.update(sub, mesh_lib.put_batch(mb, mesh), calib_mb)
+                    on_policy = epoch == 0 and m == 0  # params still equal the old params
+                    new, mets = fns.update(sub, mesh_lib.put_batch(mb, mesh), calib_mb, on_policy)
                     state.update(new)
                     mets = {k: float(v) for k, v in mets.items()}
                     if not calib_mb:  # reference stats exist on calibrating mini-batches only

@@ -7,7 +7,7 @@ config, optimizer) and returns two jitted functions with explicit shardings over
   tokens under the TRAINING recipe, their entropy, and (calibrated clipping) the BF16 shadow
   old logprobs; group advantages; rollout-correction weights (TIS/MIS) from
   rho = pi_old / pi_rollout; trainer-vs-rollout mismatch metrics. Response-aligned [N, R].
-* `update(state, mb, calibrate)`: one mini-batch: loss with plain or calibrated bounds,
+* `update(state, mb, calibrate, on_policy)`: one mini-batch: loss with plain or calibrated bounds,
   grads of the FP32 masters through the FP8 recipe, a non-finite check, and the optax update
   (skipped, state unchanged, when the loss or a gradient is not finite).
 
@@ -170,7 +170,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, mesh: Mesh
             out["ref_logp"] = jnp.where(mask != 0, ref, 0.0)
         return out
 
-    def bounds(p, logp8, calib_state, mb, calibrate):
+    def bounds(p, logp8, calib_state, mb, calibrate, on_policy):
         """(calib_state, lo, hi, metrics) for this mini-batch; no gradient flows through."""
         mask, adv = mb["response_mask"], mb["advantages"]
         if not s.calibrated:
@@ -187,7 +187,9 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, mesh: Mesh
             return cs, cs.lower, cs.upper, caux
 
         def do_track(cs):
-            return cal.current_bounds(cs, s.calib_cfg, r8, adv, mask)
+            # An on-policy mini-batch's ratios are 1 only up to the rounding of two compiled
+            # programs (device count, jax version): never solve bounds from that noise.
+            return cal.current_bounds(cs, s.calib_cfg, r8, adv, mask, on_policy=on_policy)
 
         # lax.cond needs one output structure: pad each branch's metrics to the union.
         keys = sorted(
@@ -205,14 +207,14 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, mesh: Mesh
 
         return jax.lax.cond(calibrate, padded(do_calibrate), padded(do_track), calib_state)
 
-    def update(state, mb, calibrate):
+    def update(state, mb, calibrate, on_policy):
         params = state["params"]
 
         def loss_fn(p):
             # One forward serves the bounds (stop-gradient ratios at the current params, i.e.
             # before this update) and the loss.
             logp, ent = response_logprobs(graphdef, p, mb, s.train_recipe)
-            calib_state, lo, hi, caux = bounds(p, logp, state["calib"], mb, calibrate)
+            calib_state, lo, hi, caux = bounds(p, logp, state["calib"], mb, calibrate, on_policy)
             loss, aux = compute_loss(
                 s.algo, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"],
                 mask=mb["response_mask"], lo=lo, hi=hi, is_weights=mb["is_weights"],
@@ -241,13 +243,15 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, mesh: Mesh
     prepare_jit = jax.jit(prepare, in_shardings=(rep, rep, dat))
     update_jit = jax.jit(
         update,
-        in_shardings=(rep, dat, rep),
+        in_shardings=(rep, dat, rep, rep),
         out_shardings=(rep, rep),
         donate_argnums=(0,),
     )
     return StepFns(
         prepare=prepare_jit,
-        update=lambda state, mb, calibrate: update_jit(state, mb, jnp.asarray(calibrate)),
+        update=lambda state, mb, calibrate, on_policy=False: update_jit(
+            state, mb, jnp.asarray(calibrate), jnp.asarray(on_policy)
+        ),
         optimizer=optimizer,
     )
 
