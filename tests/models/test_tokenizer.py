@@ -1,0 +1,40 @@
+"""The byte tokenizer (models/tokenizer.py): ids are bytes, eos is 256, transformers agrees."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import tokenizer as tk
+
+TEXTS = ["07+45=52", "héllo wörld\n\t  x", "", "a<|endoftext|>b", "日本"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_are_utf8_bytes_and_round_trip(text):
+    tok = tk.build_byte_tokenizer()
+    plain = text.replace(tk.EOS_TOKEN, "")
+    ids = tok.encode(plain).ids
+    assert ids == list(plain.encode("utf-8"))  # the independent reference: the raw bytes
+    assert tok.decode(ids) == plain
+
+
+def test_eos_is_256_and_special():
+    tok = tk.build_byte_tokenizer()
+    assert tk.eos_token_id(tok) == 256 == tk.BYTE_VOCAB_SIZE - 1
+    assert tok.encode("a" + tk.EOS_TOKEN).ids == [97, 256]
+    assert tok.get_vocab_size() == tk.BYTE_VOCAB_SIZE
+
+
+def test_saved_folder_loads_in_transformers_with_same_ids(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tk.save_tokenizer(tk.build_byte_tokenizer(), tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = tk.load_tokenizer(tmp_path)
+    for text in TEXTS:
+        assert hf(text, add_special_tokens=True)["input_ids"] == ours.encode(text).ids
+    assert hf.eos_token_id == 256 and hf.pad_token_id == 256
+
+
+def test_missing_tokenizer_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        tk.load_tokenizer(tmp_path)
