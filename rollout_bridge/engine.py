@@ -8,11 +8,12 @@ Generation, one jitted call per `generate`: every prompt x n samples is one row 
 prompts are left-padded to a common length so the last prompt token of every row sits at the
 same position; `prefill` fills the KV cache and gives the first next-token logits, then a
 `lax.while_loop` runs `decode_step` + sampling until every row has finished (stop/eos token or
-its max_tokens) or the step budget is spent. Sampling rules and the logprob convention are in
-`rollout_bridge.sampling`: the logprob of each sampled token is that of the distribution
-actually sampled from (temperature-scaled, top-k/top-p renormalised), which equals the raw
-`log_softmax` at temperature 1 without truncation; greedy (temperature 0) gives the argmax and
-its raw logprob.
+its max_tokens) or the step budget is spent. Those jitted programs are in
+`rollout_bridge.engine_jit`; this module pads their batches and reads the results back.
+Sampling rules and the logprob convention are in `rollout_bridge.sampling`: the logprob of
+each sampled token is that of the distribution actually sampled from (temperature-scaled,
+top-k/top-p renormalised), which equals the raw `log_softmax` at temperature 1 without
+truncation; greedy (temperature 0) gives the argmax and its raw logprob.
 
 Compiled shapes are bucketed to powers of two (rows >= 8, prompt length >= 16, new tokens
 >= 16), and every sampling knob is a traced per-row array, so RL steps with similar shapes
@@ -40,7 +41,6 @@ trainer's FP8 weights are Q(bf16(W)) while every export holds Q(W): ~1e-2 apart 
 
 from __future__ import annotations
 
-import functools
 import secrets
 import shutil
 import threading
@@ -51,14 +51,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from models import fp8
-from models import functional as mf
 from models.config import ModelConfig
 from models.fp8 import Recipe, get_recipe
 from rollout_bridge import sampling as smp
 from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.engine_jit import generate_rows, score_logprobs, score_ranks
 from rollout_bridge.weight_files import default_root
 
 _MIN_ROWS, _MIN_PROMPT, _MIN_NEW, _STOP_SLOTS = 8, 16, 16, 8
@@ -67,95 +66,6 @@ _MIN_ROWS, _MIN_PROMPT, _MIN_NEW, _STOP_SLOTS = 8, 16, 16, 8
 def bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum): the compiled size for n."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len"))
-def _generate_rows(
-    graphdef: Any,
-    params: Any,
-    prompt: Int[Array, "B P"],
-    mask: Int[Array, "B P"],
-    keys: Array,
-    temperature: Float[Array, " B"],
-    top_k: Int[Array, " B"],
-    top_p: Float[Array, " B"],
-    stop_ids: Int[Array, "B S"],
-    max_new: Int[Array, " B"],
-    *,
-    cfg: ModelConfig,
-    recipe: Recipe,
-    cache_len: int,
-) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
-    """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
-
-    Entries past a row's length are 0. A row is done once it emits a stop id or reaches its
-    `max_new`; rows with `max_new == 0` (batch padding) are done from the start.
-    """
-    rows, plen = prompt.shape
-    steps = cache_len - plen
-    cache = mf.init_cache(cfg, rows, cache_len)
-    logits, cache = mf.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
-    tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
-    live = max_new > 0
-    out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))
-    out_lp = jnp.zeros((rows, steps), jnp.float32).at[:, 0].set(jnp.where(live, lp, 0.0))
-    lengths = live.astype(jnp.int32)
-    done = ~live | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
-
-    def cond(state):
-        step, _, _, _, _, done, _ = state
-        return (step < steps) & ~jnp.all(done)
-
-    def body(state):
-        step, cache, prev, out_tok, out_lp, done, lengths = state
-        logits, cache = mf.decode_step(graphdef, params, prev, cache, recipe=recipe)
-        tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p)
-        active = ~done
-        out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
-        out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
-        lengths = lengths + active.astype(jnp.int32)
-        done = done | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
-        return step + 1, cache, jnp.where(active, tok, prev), out_tok, out_lp, done, lengths
-
-    init = (jnp.int32(1), cache, tok, out_tok, out_lp, done, lengths)
-    _, _, _, out_tok, out_lp, _, lengths = jax.lax.while_loop(cond, body, init)
-    return out_tok, out_lp, lengths
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
-def _score_logprobs(
-    graphdef: Any,
-    params: Any,
-    tokens: Int[Array, "B T"],
-    mask: Int[Array, "B T"],
-    *,
-    recipe: Recipe,
-) -> Float[Array, "B T"]:
-    """`models.functional.token_logprobs` (temperature 1), jitted with static shapes."""
-    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
-def _score_ranks(
-    graphdef: Any,
-    params: Any,
-    tokens: Int[Array, "B T"],
-    mask: Int[Array, "B T"],
-    *,
-    recipe: Recipe,
-) -> tuple[Float[Array, "B T"], Int[Array, "B T"]]:
-    """Teacher-forced (logprob, rank) of each token; rank = 1 + #tokens with a larger logit
-    (vLLM's `prompt_logprobs` rank). Entry 0 has no context: logprob 0, rank 1."""
-    logits = mf.forward(graphdef, params, tokens, mask, recipe=recipe).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    nxt = tokens[:, 1:]
-    tok_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
-    rank = 1 + jnp.sum(logp > tok_lp[..., None], axis=-1)
-    zero = jnp.zeros_like(tokens[:, :1])
-    return (
-        jnp.concatenate([zero.astype(jnp.float32), tok_lp], axis=1),
-        jnp.concatenate([zero + 1, rank.astype(jnp.int32)], axis=1),
-    )
 
 
 def _default_export_format(recipe: Recipe) -> str:
@@ -317,7 +227,7 @@ class EmbeddedBackend(RolloutBackend):
         )
         with self._lock:
             version = self._version
-            toks, lps, lens = _generate_rows(
+            toks, lps, lens = generate_rows(
                 self.graphdef,
                 self.params,
                 jnp.asarray(prompt),
@@ -361,7 +271,7 @@ class EmbeddedBackend(RolloutBackend):
         if not lengths:
             return []
         with self._lock:
-            lp = _score_logprobs(
+            lp = score_logprobs(
                 self.graphdef,
                 self.params,
                 jnp.asarray(tokens),
@@ -380,7 +290,7 @@ class EmbeddedBackend(RolloutBackend):
         if not lengths:
             return []
         with self._lock:
-            lp, rank = _score_ranks(
+            lp, rank = score_ranks(
                 self.graphdef,
                 self.params,
                 jnp.asarray(tokens),

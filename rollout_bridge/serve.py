@@ -25,6 +25,8 @@ Logprobs are those of the distribution actually sampled from (vLLM's `--logprobs
 processed_logprobs`; `rollout_bridge.sampling`). Only `logprobs: 0` / `prompt_logprobs: 0`
 (the chosen token's own logprob, no alternatives) are served; larger values are refused with
 HTTP 400 naming the field. Errors use vLLM's body `{"error": {"message", "type", "code"}}`.
+This module is the HTTP server (routes, auth, the pause gate); the JSON bodies are built and
+parsed in `rollout_bridge.openai_format`.
 
 Security: binds 127.0.0.1 unless told otherwise; `--token T` (or env `JFP8RL_SERVE_TOKEN`)
 requires `Authorization: Bearer T` on every route but /health; JSON only, never pickle.
@@ -37,32 +39,18 @@ import hmac
 import json
 import os
 import threading
-import time
-import uuid
 from collections.abc import Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from tokenizers.decoders import DecodeStream
-
-from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge import openai_format as oaf
+from rollout_bridge.backend import RolloutError
 from rollout_bridge.engine import EmbeddedBackend
+from rollout_bridge.openai_format import ApiError
 
 _MAX_BODY = 256 * 2**20
-_LOGPROB_CLAMP = -9999.0  # vLLM's floor for -inf
-_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy (and then refuses n > 1)
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
-
-
-class ApiError(Exception):
-    """An error answered to the client as vLLM does: HTTP status + {"error": {...}}."""
-
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
 
 
 class ServerState:
@@ -109,185 +97,21 @@ class ServerState:
             self._paused = False
             self._gate.notify_all()
 
-    def decode(self, ids: Sequence[int], skip_special: bool) -> str:
-        """One token (or a few) as text, e.g. `decoded_token` ("" without a tokenizer)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
-
-    def detokenize(self, prompt: Sequence[int], ids: Sequence[int], skip_special: bool) -> str:
-        """A response's `text` as vLLM's incremental detokenizer builds it: a
-        `tokenizers.decoders.DecodeStream` primed with the prompt, one step per token, so
-        bytes of an unfinished UTF-8 character are held back (and dropped at the end)."""
-        if self.tokenizer is None:
-            return ""
-        try:
-            stream = DecodeStream(ids=list(prompt), skip_special_tokens=skip_special)
-        except TypeError:  # tokenizers < 0.22 has no `ids` priming
-            stream = DecodeStream(skip_special_tokens=skip_special)
-        parts = []
-        for t in ids:
-            try:
-                parts.append(stream.step(self.tokenizer, int(t)) or "")
-            except Exception:  # noqa: BLE001 (vLLM resets the stream on invalid UTF-8 prefixes)
-                stream = DecodeStream(skip_special_tokens=skip_special)
-        return "".join(parts)
-
-    def token_str(self, tid: int, as_ids: bool) -> str:
-        return f"token_id:{tid}" if as_ids or self.tokenizer is None else self.decode([tid], False)
-
-
-def _int_list(x: Any, what: str) -> list[int]:
-    if not isinstance(x, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x
-    ):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{what} must be a list of token ids (ints)")
-    return list(x)
-
-
-def _prompts(body: dict[str, Any], state: ServerState) -> list[list[int]]:
-    """`prompt`: token ids, a list of token-id lists, a string or a list of strings."""
-    p = body.get("prompt")
-    if isinstance(p, str):
-        p = [p]
-    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        return [_int_list(p, "prompt")]
-    if not isinstance(p, list) or not p:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'prompt' must be token ids or a non-empty list")
-    out = []
-    for i, item in enumerate(p):
-        if isinstance(item, str):
-            if state.tokenizer is None:
-                raise ApiError(HTTPStatus.BAD_REQUEST, "text prompts need a tokenizer; send ids")
-            out.append(state.tokenizer.encode(item).ids)
-        else:
-            out.append(_int_list(item, f"prompt[{i}]"))
-    return out
-
-
-def _sampling(body: dict[str, Any]) -> SamplingParams:
-    for field in ("logprobs", "prompt_logprobs"):
-        k = body.get(field)
-        if k is not None and k != 0:
-            raise ApiError(
-                HTTPStatus.BAD_REQUEST,
-                f"'{field}': {k} is not served by rollout_bridge.serve; use 0 (the chosen "
-                "token's logprob only)",
-            )
-    if body.get("stream"):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "'stream': true is not supported; use false")
-    top_k = body.get("top_k")
-    n, temperature = body.get("n") or 1, body.get("temperature")
-    if n != 1 and temperature is not None and temperature < _GREEDY_EPS:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"n must be 1 when using greedy sampling, got {n}.")
-    try:
-        return SamplingParams(
-            n=int(body.get("n") or 1),
-            max_tokens=int(body.get("max_tokens") or 16),
-            temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
-            top_p=float(1.0 if body.get("top_p") is None else body["top_p"]),
-            top_k=-1 if top_k is None else int(top_k),
-            seed=None if body.get("seed") is None else int(body["seed"]),
-            stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
-    except (TypeError, ValueError) as e:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {e}") from e
-
 
 def completions(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     """The `/v1/completions` response for one request (module docstring)."""
-    if body.get("model") not in (None, state.model_name):
-        raise ApiError(
-            HTTPStatus.NOT_FOUND,
-            f"The model `{body.get('model')}` does not exist; this server serves "
-            f"`{state.model_name}` (GET /v1/models)",
-            param="model",
-        )
-    prompts = _prompts(body, state)
-    sp = _sampling(body)
-    as_ids = bool(body.get("return_tokens_as_token_ids", False))
-    with_ids = bool(body.get("return_token_ids", False))
-    skip_special = bool(body.get("skip_special_tokens", True))
-    want_lp = body.get("logprobs") is not None
-    want_plp = body.get("prompt_logprobs") is not None
+    req = oaf.parse_completion_request(body, model_name=state.model_name, tokenizer=state.tokenizer)
     state.enter()
     try:
-        results = state.engine.generate(prompts, sp)
-        scored = state.engine.score_with_ranks(prompts) if want_plp else None
+        results = state.engine.generate(req.prompts, req.sampling)
+        scored = state.engine.score_with_ranks(req.prompts) if req.want_prompt_logprobs else None
     except RolloutError as e:
         raise ApiError(HTTPStatus.BAD_REQUEST, str(e)) from e
     finally:
         state.leave()
-    stop_set = set(sp.stop_token_ids)
-    choices = []
-    for k, c in enumerate(results):
-        ids = [int(t) for t in c.response_ids]
-        last = ids[-1] if ids else None
-        choice: dict[str, Any] = {
-            "index": k,
-            "text": state.detokenize(c.prompt_ids, ids, skip_special),
-            "logprobs": None,
-            "finish_reason": c.finish_reason,
-            # vLLM: the stop token id when a stop_token_ids entry ended it; None for eos.
-            "stop_reason": last if c.finish_reason == "stop" and last in stop_set else None,
-            "token_ids": ids if with_ids else None,
-            "prompt_token_ids": list(c.prompt_ids) if with_ids else None,
-            "prompt_logprobs": None,
-            "routed_experts": None,
-        }
-        if want_lp:
-            lps = [max(float(x), _LOGPROB_CLAMP) for x in c.logprobs]
-            toks = [state.token_str(t, as_ids) for t in ids]
-            # vLLM's offsets advance by the length of each reported token string.
-            offsets, pos = [], 0
-            for tok in toks:
-                offsets.append(pos)
-                pos += len(tok)
-            choice["logprobs"] = {
-                "text_offset": offsets,
-                "token_logprobs": lps,
-                "tokens": toks,
-                "top_logprobs": [{s: v} for s, v in zip(toks, lps, strict=True)],
-            }
-        if scored is not None:
-            lp, rank = scored[c.prompt_index]
-            entries: list[Any] = [None]
-            for t in range(1, len(c.prompt_ids)):
-                tid = c.prompt_ids[t]
-                entries.append(
-                    {
-                        str(tid): {
-                            "logprob": max(float(lp[t]), _LOGPROB_CLAMP),
-                            "rank": int(rank[t]),
-                            # vLLM decodes here even with return_tokens_as_token_ids.
-                            "decoded_token": state.decode([tid], False),
-                        }
-                    }
-                )
-            choice["prompt_logprobs"] = entries
-        choices.append(choice)
-    n_prompt = sum(len(p) for p in prompts) * sp.n
-    n_out = sum(len(c.response_ids) for c in results)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": state.model_name,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": "rollout_bridge",
-        "usage": {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_out,
-            "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        },
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+    return oaf.completion_body(
+        req, results, scored, model_name=state.model_name, tokenizer=state.tokenizer
+    )
 
 
 def update_weights(state: ServerState, body: dict[str, Any]) -> None:
@@ -330,9 +154,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _error(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
-        kind = _ERROR_TYPES.get(int(status), status.phrase.replace(" ", ""))
-        err = {"message": message, "type": kind, "param": param, "code": int(status)}
-        self._send(status, {"error": err})
+        self._send(status, oaf.error_body(status, message, param))
 
     def _body(self) -> dict[str, Any]:
         n = int(self.headers.get("Content-Length") or 0)
@@ -386,32 +208,7 @@ def _ok(payload: Any = None) -> tuple[HTTPStatus, Any]:
 
 
 def _models(state: ServerState, _body: dict[str, Any]) -> tuple[HTTPStatus, Any]:
-    now = int(time.time())
-    permission = {
-        "id": f"modelperm-{uuid.uuid4().hex}",
-        "object": "model_permission",
-        "created": now,
-        "allow_create_engine": False,
-        "allow_sampling": True,
-        "allow_logprobs": True,
-        "allow_search_indices": False,
-        "allow_view": True,
-        "allow_fine_tuning": False,
-        "organization": "*",
-        "group": None,
-        "is_blocking": False,
-    }
-    entry = {
-        "id": state.model_name,
-        "object": "model",
-        "created": now,
-        "owned_by": "rollout_bridge",
-        "root": state.model_name,
-        "parent": None,
-        "max_model_len": state.engine.max_len,
-        "permission": [permission],
-    }
-    return _ok({"object": "list", "data": [entry]})
+    return _ok(oaf.models_body(state.model_name, state.engine.max_len))
 
 
 def _finish(state: ServerState, body: dict[str, Any]) -> tuple[HTTPStatus, Any]:

@@ -1,0 +1,111 @@
+"""The jitted programs of the embedded engine (`rollout_bridge.engine`): sampling and scoring.
+
+`generate_rows` prefills the KV cache for a left-padded batch and runs `decode_step` + sampling
+in a `lax.while_loop` until every row has finished; `score_logprobs` / `score_ranks` give
+teacher-forced logprobs (and vLLM's `prompt_logprobs` ranks). Static arguments are the model
+graph, config, recipe and cache length, so one executable serves every batch of one bucket
+shape; every sampling knob is a traced per-row array (`rollout_bridge.sampling`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models import functional as mf
+from models.config import ModelConfig
+from models.fp8 import Recipe
+from rollout_bridge import sampling as smp
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len"))
+def generate_rows(
+    graphdef: Any,
+    params: Any,
+    prompt: Int[Array, "B P"],
+    mask: Int[Array, "B P"],
+    keys: Array,
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    stop_ids: Int[Array, "B S"],
+    max_new: Int[Array, " B"],
+    *,
+    cfg: ModelConfig,
+    recipe: Recipe,
+    cache_len: int,
+) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
+    """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
+
+    Entries past a row's length are 0. A row is done once it emits a stop id or reaches its
+    `max_new`; rows with `max_new == 0` (batch padding) are done from the start.
+    """
+    rows, plen = prompt.shape
+    steps = cache_len - plen
+    cache = mf.init_cache(cfg, rows, cache_len)
+    logits, cache = mf.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
+    tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
+    live = max_new > 0
+    out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))
+    out_lp = jnp.zeros((rows, steps), jnp.float32).at[:, 0].set(jnp.where(live, lp, 0.0))
+    lengths = live.astype(jnp.int32)
+    done = ~live | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
+
+    def cond(state):
+        step, _, _, _, _, done, _ = state
+        return (step < steps) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, prev, out_tok, out_lp, done, lengths = state
+        logits, cache = mf.decode_step(graphdef, params, prev, cache, recipe=recipe)
+        tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        active = ~done
+        out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
+        out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
+        lengths = lengths + active.astype(jnp.int32)
+        done = done | smp.is_stop(tok, stop_ids) | (lengths >= max_new)
+        return step + 1, cache, jnp.where(active, tok, prev), out_tok, out_lp, done, lengths
+
+    init = (jnp.int32(1), cache, tok, out_tok, out_lp, done, lengths)
+    _, _, _, out_tok, out_lp, _, lengths = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, lengths
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+def score_logprobs(
+    graphdef: Any,
+    params: Any,
+    tokens: Int[Array, "B T"],
+    mask: Int[Array, "B T"],
+    *,
+    recipe: Recipe,
+) -> Float[Array, "B T"]:
+    """`models.functional.token_logprobs` (temperature 1), jitted with static shapes."""
+    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+def score_ranks(
+    graphdef: Any,
+    params: Any,
+    tokens: Int[Array, "B T"],
+    mask: Int[Array, "B T"],
+    *,
+    recipe: Recipe,
+) -> tuple[Float[Array, "B T"], Int[Array, "B T"]]:
+    """Teacher-forced (logprob, rank) of each token; rank = 1 + #tokens with a larger logit
+    (vLLM's `prompt_logprobs` rank). Entry 0 has no context: logprob 0, rank 1."""
+    logits = mf.forward(graphdef, params, tokens, mask, recipe=recipe).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nxt = tokens[:, 1:]
+    tok_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+    rank = 1 + jnp.sum(logp > tok_lp[..., None], axis=-1)
+    zero = jnp.zeros_like(tokens[:, :1])
+    return (
+        jnp.concatenate([zero.astype(jnp.float32), tok_lp], axis=1),
+        jnp.concatenate([zero + 1, rank.astype(jnp.int32)], axis=1),
+    )
