@@ -226,7 +226,7 @@ class TrainConfig:
     seed: int = 0
     # Greedy accuracy on the eval set every `eval_every` steps (0 = only before and after).
     eval_every: int = 20
-    # Non-finite loss/grads skip the update; this many in a row stop the run.
+    # Non-finite loss, grads or updated params skip the update; this many in a row stop the run.
     max_nonfinite: int = 3
     # Stop after this many steps even if train.steps is larger (tests of resume); 0 = off.
     stop_after: int = 0

@@ -226,9 +226,14 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, mesh: Mesh
         (loss, (calib_state, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         # Global L2 norm of the gradients before clipping (optax's clip uses the same norm).
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
+        # An update is kept only if the loss, the gradients AND the new params are finite: an
+        # overflowing step (e.g. a huge lr) must not poison the weights the rollout serves next.
+        params_finite = jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_params)])
+        )
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
         new_state = {
             "params": keep(new_params, params),

@@ -159,3 +159,41 @@ def test_server_down_exits_1_and_keeps_checkpoint(
     ck = Checkpointer(run_dir, keep=2)
     assert ck.latest_step() == 2
     ck.close()
+
+
+def test_nonfinite_updates_in_a_row_stop_with_a_loadable_checkpoint(
+    full_run: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # lr = inf turns every update into inf/NaN params: each one must be skipped (the weights
+    # the rollout serves stay finite), and max_nonfinite skipped steps in a row stop the run
+    # with a checkpoint and the resume command.
+    run_dir = tmp_path / "nonfinite"
+    argv = ["--config", str(TINY), *small(run_dir, cache_dir, "optim.lr=inf",
+            "train.max_nonfinite=2", "train.steps=6")]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "2 steps in a row had only non-finite" in err and "--resume" in err
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    updates_per_step = 2 * 2  # tiny_cpu's 2 PPO epochs x small()'s 2 mini-batches
+    assert all(r["actor/nonfinite_updates"] == updates_per_step for r in rows[1:])
+    # Checkpoint 2 restores, and its params are still the initial ones: finite, unchanged.
+    cfg, _, params = load_hf(full_run / "hf_final")
+    from jfp8rl.step import OptimSettings, make_optimizer
+    from losses.calibrated import CalibConfig, init_calib_state
+
+    like = {
+        "params": params,
+        "opt_state": make_optimizer(OptimSettings(1e-3, 6, 0.0, 1.0, 0.9, 0.999)).init(params),
+        "calib": init_calib_state(CalibConfig()),
+        "rng": jax.random.key_data(jax.random.key(0)),
+    }
+    ck = Checkpointer(run_dir, keep=2)
+    assert ck.latest_step() == 2
+    first, _ = ck.restore(min(ck.all_steps()), like)
+    last, meta = ck.restore(2, like)
+    ck.close()
+    assert meta["step"] == 2
+    for a, b in zip(jax.tree.leaves(last["params"]), jax.tree.leaves(first["params"]), strict=True):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
