@@ -186,6 +186,13 @@ class AlgorithmConfig:
             raise ConfigError(f"algorithm.eps_low={self.eps_low} must be < 1")
         _check_positive("algorithm", "tis_cap", self.tis_cap)
         _check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.name == "gspo" and self.clip == "calibrated":
+            # GSPO clips sequence-level ratios (bounds ~1 +- 4e-4); Calibrated Clipping matches
+            # token-level clip shares, so its bounds would mean nothing there.
+            raise ConfigError(
+                "algorithm.clip=calibrated is not defined for algorithm.name=gspo (it clips "
+                "sequence-level ratios); set algorithm.clip=plain"
+            )
 
 
 @dataclasses.dataclass

@@ -42,6 +42,7 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
         (["train.mini_batches=7"], "train.mini_batches"),
         (["calibration.range_lo=1.5"], "calibration.range_lo"),
         (["nonsense"], "nonsense"),
+        (["algorithm.name=gspo", "algorithm.clip=calibrated"], "algorithm.clip"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], needle: str) -> None:
