@@ -47,10 +47,6 @@ class RolloutBatch:
     response_lens: np.ndarray  # int32 [N], tokens generated (eos included)
     truncated: np.ndarray  # bool [N], finish_reason == "length"
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.tokens.shape[0])
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:

@@ -27,10 +27,6 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _dtype_name(dtype: Any) -> str:
-    return jnp.dtype(dtype).name
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture hyper-parameters, named as in this code base (HF names in `to_hf_config`)."""

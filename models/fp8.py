@@ -353,6 +353,23 @@ def _canonical(x: Array, batch: Sequence[int], rows: Sequence[int], cols: Sequen
     return xt.reshape(*bshape, nrows, ncols)
 
 
+def _high_precision_dot_general(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers: DimensionNumbers,
+    precision: object = None,
+    preferred_element_type: jnp.dtype | None = None,
+) -> Array:
+    """`lax.dot_general` with the weights cast to the activations' (compute) dtype."""
+    return jax.lax.dot_general(
+        lhs,
+        rhs.astype(lhs.dtype),
+        dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+
+
 def fp8_dot_general(
     lhs: Array,
     rhs: Array,
@@ -365,18 +382,14 @@ def fp8_dot_general(
     """`jax.lax.dot_general` with FP8 operands; lhs = activations, rhs = weights.
 
     Same signature and output layout as `lax.dot_general` (batch, lhs free, rhs free). With a
-    non-quantized recipe it *is* `lax.dot_general`. Otherwise the operands are brought to
+    non-quantized recipe it is `lax.dot_general` with the weights cast to the activations' dtype. Otherwise the operands are brought to
     [batch, M, K] x [batch, K, N] (several contracting axes are merged into one K, several free
     axes into one M or N: block tiles then run along the merged axis), multiplied by the custom-
     VJP FP8 matmul, and reshaped back; `precision` is ignored (accumulation is f32).
     """
     if not recipe.quantized:
-        return jax.lax.dot_general(
-            lhs,
-            rhs,
-            dimension_numbers,
-            precision=precision,
-            preferred_element_type=preferred_element_type,
+        return _high_precision_dot_general(
+            lhs, rhs, dimension_numbers, precision, preferred_element_type
         )
     if recipe.backend != "emulate":
         raise NotImplementedError(
@@ -397,23 +410,6 @@ def fp8_dot_general(
         [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lfree] + [rhs.shape[i] for i in rfree]
     )
     return y.reshape(out_shape)
-
-
-def _high_precision_dot_general(
-    lhs: Array,
-    rhs: Array,
-    dimension_numbers: DimensionNumbers,
-    precision: object = None,
-    preferred_element_type: jnp.dtype | None = None,
-) -> Array:
-    """`lax.dot_general` with the weights cast to the activations' (compute) dtype."""
-    return jax.lax.dot_general(
-        lhs,
-        rhs.astype(lhs.dtype),
-        dimension_numbers,
-        precision=precision,
-        preferred_element_type=preferred_element_type,
-    )
 
 
 def make_dot_general(recipe: Recipe) -> Callable[..., Array]:
