@@ -56,8 +56,12 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class WarmStartConfig:
-    # Supervised steps on the built-in task; tuned so the base policy is weak but not useless.
+    # Supervised steps on the built-in task (the most, when target_accuracy is set).
     steps: int = 150
+    # Stop the warm start once greedy accuracy on 256 training problems reaches this (checked
+    # every 10 steps; 0 = always run `steps`). A target, not a step count, makes the base
+    # policy the same across jax versions: the supervised curve has a cliff.
+    target_accuracy: float = 0.0
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
@@ -73,6 +77,10 @@ class WarmStartConfig:
         _check_positive("warmstart", "lr", self.lr)
         if not 0 <= self.carry_noise <= 1:
             raise ConfigError(f"warmstart.carry_noise={self.carry_noise} must be in [0, 1]")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ConfigError(
+                f"warmstart.target_accuracy={self.target_accuracy} must be in [0, 1] (0 = off)"
+            )
 
 
 @dataclasses.dataclass

@@ -89,7 +89,7 @@ def load_policy(cfg: Config, log: Any) -> Policy:
             task_tag=f"arithmetic-{cfg.data.max_digits}-{cfg.data.eval_size}",
             steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
             prompt_len=cfg.data.max_prompt_tokens, answer_len=cfg.rollout.max_tokens,
-            carry_noise=w.carry_noise, log=log,
+            carry_noise=w.carry_noise, target_accuracy=w.target_accuracy, log=log,
         )  # fmt: skip
     mcfg, graphdef, params = load_hf(path, compute_dtype=jnp.dtype(cfg.model.compute_dtype))
     tok = load_tokenizer(path)

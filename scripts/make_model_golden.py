@@ -2,26 +2,30 @@
 
 Weights come from `models.hf_io.random_hf_state_dict(cfg, seed)` (numpy RandomState, stable
 across versions), so a fixture stores only the seed, the input tokens/mask and the logits.
-Needs torch + transformers (`pip install torch==2.13.0 transformers`):
+transformers runs in the vLLM venv (tests/reference/client.py; the project venv has no torch),
+so build that first:
 
-    .venv/bin/python scripts/make_model_golden.py
+    scripts/setup_vllm_env.sh && .venv/bin/python scripts/make_model_golden.py
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-import transformers
 from safetensors.numpy import save_file
 
 from models.config import get_config
 from models.hf_io import random_hf_state_dict
 
-GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "models" / "golden"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+from client import run_reference  # noqa: E402
+
+GOLDEN_DIR = ROOT / "tests" / "models" / "golden"
 PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
 SEED = 1234
 T = 24  # longer than the tiny llama's original_max_position_embeddings (16): exercises scaling
@@ -35,22 +39,6 @@ def golden_inputs(vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     mask[1, :5] = 0
     tokens[1, :5] = 0
     return tokens, mask
-
-
-def hf_logits(folder: Path, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """transformers' f32 logits, positions = cumsum(mask) - 1 as in models.functional."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    )
-    model.eval()
-    pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(pos, dtype=torch.long),
-        )
-    return out.logits.float().numpy()
 
 
 def write_hf_folder(folder: Path, cfg_dict: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -67,7 +55,10 @@ def main() -> None:
         tokens, mask = golden_inputs(cfg.vocab_size)
         with tempfile.TemporaryDirectory() as tmp:
             write_hf_folder(Path(tmp), cfg.to_hf_config(), tensors)
-            logits = hf_logits(Path(tmp), tokens, mask)
+            meta, out = run_reference(
+                "logits", folder=tmp, arrays={"tokens": tokens, "mask": mask}
+            )
+            logits = out["logits"]
         out = GOLDEN_DIR / f"{name}.npz"
         np.savez_compressed(
             out,
@@ -75,8 +66,8 @@ def main() -> None:
             tokens=tokens,
             mask=mask,
             logits=logits.astype(np.float32),
-            transformers_version=np.array(transformers.__version__),
-            torch_version=np.array(torch.__version__),
+            transformers_version=np.array(meta["versions"]["transformers"]),
+            torch_version=np.array(meta["versions"]["torch"]),
         )
         print(f"wrote {out} ({out.stat().st_size} bytes), logits {logits.shape}")
 

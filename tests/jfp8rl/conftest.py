@@ -21,18 +21,3 @@ def base_policy_dir(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     cfg = load_config(TINY, small(tmp_path_factory.mktemp("unused"), cache_dir))
     return load_policy(cfg, log=lambda msg: None).path
-
-
-@pytest.fixture(scope="session")
-def vllm_venv() -> Path:
-    """The real-vLLM venv (scripts/setup_vllm_env.sh, cached); skipped only with
-    JFP8RL_SKIP_VLLM=1, as in tests/rollout_bridge."""
-    import os
-    import sys
-
-    if os.environ.get("JFP8RL_SKIP_VLLM") == "1":
-        pytest.skip("JFP8RL_SKIP_VLLM=1: real-vLLM tests disabled")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout_bridge"))
-    from vllm_server import ensure_vllm_env
-
-    return ensure_vllm_env()

@@ -15,6 +15,7 @@ def small(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         f"warmstart.cache_dir={cache_dir}",
         f"train.jax_cache_dir={cache_dir / 'jax'}",
         "warmstart.steps=120",
+        "warmstart.target_accuracy=0",
         "data.batch_size=4",
         "data.eval_size=16",
         "rollout.n=4",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +12,6 @@ from models import functional as F
 from models.config import ModelConfig, get_config
 
 TINY = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
-HAVE_TORCH = (
-    importlib.util.find_spec("torch") is not None
-    and importlib.util.find_spec("transformers") is not None
-)
 
 forward = jax.jit(F.forward, static_argnums=0, static_argnames="recipe")
 prefill = jax.jit(F.prefill, static_argnums=0, static_argnames="recipe")

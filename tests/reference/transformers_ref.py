@@ -1,0 +1,123 @@
+"""transformers' side of the reference tests, run in the vLLM venv (Python 3.11, torch 2.13 cpu).
+
+The project venv (Python 3.12, jax 0.11.2) carries no torch: PyTorch has a CPU wheel for
+Python 3.11 only on these machines. So every comparison with transformers runs its PyTorch side
+here, in a subprocess started by `tests/reference/client.py`, and exchanges plain files: a JSON
+job in, `result.json` + `result.npz` out (numpy arrays, loaded with `allow_pickle=False`).
+This file imports only torch, transformers and numpy (never our packages: they need jax).
+
+Usage (the client does this): `<vllm-venv>/bin/python transformers_ref.py JOB.json OUT_DIR`.
+
+Jobs (`kind`):
+- `logits`: `folder`, `tokens` / `mask` (.npy paths) -> `logits` [B, T, V] f32. Eager attention,
+  positions `cumsum(mask) - 1` clipped at 0 (as `models.functional.positions_from_mask`).
+- `random_init`: `hf_config` (dict for `AutoConfig.for_model`), `seed`, `folder` -> transformers
+  initialises the model, perturbs norms and biases by 0.1 N(0, 1) (HF inits them to 1 / 0, which
+  would hide a wrong name map), saves it to `folder` (safetensors); then like `logits` when
+  `tokens` is given.
+- `tokenize`: `folder`, `texts` -> `input_ids` (list of lists, `add_special_tokens=True`),
+  `decoded` (decode of each), `eos_token_id`, `pad_token_id`.
+- `chat_template`: `folder`, `conversations` (list of message lists), `kwargs` (extra template
+  variables, e.g. `enable_thinking`) -> `input_ids` of
+  `apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)` and
+  `text` of the same with `tokenize=False`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+
+def _logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(pos, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
+
+
+def _load_model(folder: str):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def _inputs(job: dict) -> tuple[np.ndarray, np.ndarray]:
+    return np.load(job["tokens"], allow_pickle=False), np.load(job["mask"], allow_pickle=False)
+
+
+def job_logits(job: dict) -> tuple[dict, dict]:
+    return {}, {"logits": _logits(_load_model(job["folder"]), *_inputs(job))}
+
+
+def job_random_init(job: dict) -> tuple[dict, dict]:
+    torch.manual_seed(int(job["seed"]))
+    hf_cfg = transformers.AutoConfig.for_model(**job["hf_config"])
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(job["folder"])
+    arrays = {}
+    if "tokens" in job:
+        arrays["logits"] = _logits(_load_model(job["folder"]), *_inputs(job))
+    return {}, arrays
+
+
+def job_tokenize(job: dict) -> tuple[dict, dict]:
+    tok = transformers.AutoTokenizer.from_pretrained(job["folder"])
+    ids = [tok(t, add_special_tokens=True)["input_ids"] for t in job["texts"]]
+    return {
+        "input_ids": ids,
+        "decoded": [tok.decode(i) for i in ids],
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }, {}
+
+
+def job_chat_template(job: dict) -> tuple[dict, dict]:
+    tok = transformers.AutoTokenizer.from_pretrained(job["folder"])
+    kwargs = job.get("kwargs", {})
+    ids, texts = [], []
+    for messages in job["conversations"]:
+        out = tok.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False, **kwargs
+        )
+        ids.append([int(i) for i in out])
+        texts.append(
+            tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        )
+    return {"input_ids": ids, "text": texts}, {}
+
+
+JOBS = {
+    "logits": job_logits,
+    "random_init": job_random_init,
+    "tokenize": job_tokenize,
+    "chat_template": job_chat_template,
+}
+
+
+def main(job_path: str, out_dir: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    meta, arrays = JOBS[job["kind"]](job)
+    out = Path(out_dir)
+    meta["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    np.savez(out / "result.npz", **arrays)
+    (out / "result.json").write_text(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
