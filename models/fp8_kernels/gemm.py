@@ -46,7 +46,7 @@ from jaxtyping import Array, Float
 
 BLOCK_K = 128  # the K step: one scale block (the recipe's block_size must be 128)
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -204,8 +204,8 @@ def scaled_matmul_nt(
             f"{a.dtype} and {b.dtype}; quantize them first (models.fp8.quantize)"
         )
     out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(f"scaled_matmul_nt: out_dtype {out_dtype} not in {_OUT_DTYPES}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"scaled_matmul_nt: out_dtype {out_dtype} not in {OUT_DTYPES}")
     (m, k), n = a.shape, b.shape[0]
     kb = -(-k // BLOCK_K)
     if sa.shape != (m, kb) or sb.shape != (n, kb):
