@@ -111,8 +111,10 @@ class Recipe:
                 f"Recipe {self.name!r}: backend={self.backend!r}; expected 'emulate' or 'pallas'"
             )
         grans = (self.act_granularity, self.weight_granularity, self.grad_granularity)
-        if self.backend == "pallas" and self.quantized and (
-            grans != ("block",) * 3 or self.block_size != 128
+        if (
+            self.backend == "pallas"
+            and self.quantized
+            and (grans != ("block",) * 3 or self.block_size != 128)
         ):
             raise ValueError(
                 f"Recipe {self.name!r}: backend='pallas' runs the block recipe only (act, "

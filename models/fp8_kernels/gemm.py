@@ -179,6 +179,7 @@ def scaled_matmul_nt(
     sb: Float[Array, "N Kb"],
     out_dtype: jnp.dtype = jnp.float32,
     config: GemmConfig = DEFAULT_CONFIG,
+    interpret: plgpu.InterpretGPUParams | None = None,
 ) -> Array:
     """out [M, N] = sum over 128-blocks j of (a[:, j] . b[:, j]^T) * sa[:, j, None] * sb[None, :, j].
 
@@ -190,6 +191,8 @@ def scaled_matmul_nt(
         its 128 rows).
       out_dtype: f32, bf16 or f16; the f32 result is rounded once, in the epilogue.
       config: tiles.
+      interpret: interpreter parameters (e.g. `InterpretGPUParams(detect_races=True)`);
+        None = the default interpreter off a GPU, compiled on a GPU.
 
     Returns:
       [M, N] in out_dtype. Any M, N, K >= 1: the operands are zero-padded to whole tiles here.
@@ -226,10 +229,8 @@ def scaled_matmul_nt(
         grid_names=("m", "n"),
         num_threads=3,  # two compute warpgroups + the memory warpgroup
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
-        ),
-        interpret=plgpu.InterpretGPUParams() if use_interpreter() else False,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret or (plgpu.InterpretGPUParams() if use_interpreter() else False),
     )
     out = call(a, b, sa_t, sb_t)
     return out[:m, :n] if (mp, np_) != (m, n) else out
