@@ -181,3 +181,28 @@ def test_pallas_model_grad_equals_emulate():
     flat = lambda t: np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(t)])  # noqa: E731
     print("model grad rel err", _rel(flat(g_p), flat(g_e)))
     assert _rel(flat(g_p), flat(g_e)) <= F32_REL
+
+
+def test_kernels_lower_to_mosaic_gpu_for_cuda(monkeypatch):
+    """Cross-lowering for CUDA on this CPU (no GPU needed): runs Mosaic GPU's own lowering of
+    fprop, dgrad and wgrad (layout inference, the FP8 wgmma operand checks: a transposed
+    8-bit operand is refused here, measured) into `mosaic_gpu` custom calls. What only a GPU
+    checks (shared-memory capacity, PTX/SASS, speed) is in scripts/gpu_check.sh."""
+    monkeypatch.setattr(gemm, "use_interpreter", lambda: False)
+    recipe = fp8.get_recipe("fp8_block", backend="pallas", bwd_format="e5m2")
+    x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((384, 512), jnp.float32)
+    cot = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    fn = jax.jit(lambda a, b, c: _fwd_and_grads(a, b, c, recipe=recipe))
+    hlo = fn.trace(x, w, cot).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 3
+    # bf16 output (the epilogue's other store path), mixed formats, partial tiles.
+    a = jax.ShapeDtypeStruct((100, 300), jnp.float8_e5m2)
+    b = jax.ShapeDtypeStruct((200, 300), jnp.float8_e4m3fn)
+    sa, sb = (
+        jax.ShapeDtypeStruct((100, 3), jnp.float32),
+        jax.ShapeDtypeStruct((200, 3), jnp.float32),
+    )
+    bf16 = jax.jit(functools.partial(gemm.scaled_matmul_nt, out_dtype=jnp.bfloat16))
+    hlo = bf16.trace(a, b, sa, sb).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 1
