@@ -75,6 +75,15 @@ class GemmConfig:
 
 
 DEFAULT_CONFIG = GemmConfig()
+SMEM_BYTES = 227 * 1024  # the opt-in shared memory of one sm90 CTA
+
+
+def smem_bytes(config: GemmConfig, out_dtype: jnp.dtype) -> int:
+    """Shared memory of one CTA: the ring of K blocks (a, b and their scales) + the two
+    warpgroups' output tiles (barriers are noise)."""
+    cta_m, tn = 2 * config.tile_m, config.tile_n
+    step = (cta_m + tn) * BLOCK_K + 4 * (cta_m + tn)  # FP8 tiles + f32 scale rows
+    return config.max_concurrent_steps * step + cta_m * tn * jnp.dtype(out_dtype).itemsize
 
 
 def _swizzled(minor_elems: int, dtype: jnp.dtype) -> tuple[plgpu.Transform, ...]:
@@ -215,6 +224,12 @@ def scaled_matmul_nt(
         raise ValueError(
             f"scaled_matmul_nt: scales {sa.shape}, {sb.shape}; expected {(m, kb)} and "
             f"{(n, kb)} (one per row and 128-wide K block)"
+        )
+    if smem_bytes(config, out_dtype) > SMEM_BYTES:
+        raise ValueError(
+            f"scaled_matmul_nt: {config} with {out_dtype} output needs "
+            f"{smem_bytes(config, out_dtype)} bytes of shared memory, more than the "
+            f"{SMEM_BYTES} of a CTA: lower max_concurrent_steps or tile_n"
         )
     mp, np_, kp = _round_up(m, 2 * config.tile_m), _round_up(n, config.tile_n), kb * BLOCK_K
     a = _pad_to(a, (mp, kp), 0)

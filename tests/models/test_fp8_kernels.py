@@ -117,6 +117,9 @@ def test_gemm_refuses_bad_operands_clearly():
         gemm.scaled_matmul_nt(a.astype(jnp.bfloat16), a, jnp.ones((8, 1)), jnp.ones((8, 1)))
     with pytest.raises(ValueError, match="128-wide K block"):
         gemm.scaled_matmul_nt(a, a, jnp.ones((8, 2)), jnp.ones((8, 1)))
+    too_deep = gemm.GemmConfig(tile_n=256, max_concurrent_steps=6)
+    with pytest.raises(ValueError, match="lower max_concurrent_steps"):
+        gemm.scaled_matmul_nt(a, a, jnp.ones((8, 1)), jnp.ones((8, 1)), config=too_deep)
 
 
 @functools.partial(jax.jit, static_argnames="recipe")
