@@ -42,7 +42,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Shaped
 
 BLOCK_K = 128  # the K step: one scale block (the recipe's block_size must be 128)
 _FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -182,14 +182,14 @@ def use_interpreter() -> bool:
 
 
 def scaled_matmul_nt(
-    a: Array,
-    b: Array,
+    a: Shaped[Array, "M K"],
+    b: Shaped[Array, "N K"],
     sa: Float[Array, "M Kb"],
     sb: Float[Array, "N Kb"],
     out_dtype: jnp.dtype = jnp.float32,
     config: GemmConfig = DEFAULT_CONFIG,
     interpret: plgpu.InterpretGPUParams | None = None,
-) -> Array:
+) -> Shaped[Array, "M N"]:
     """out [M, N] = sum over 128-blocks j of (a[:, j] . b[:, j]^T) * sa[:, j, None] * sb[None, :, j].
 
     Args:
