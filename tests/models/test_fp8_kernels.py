@@ -131,9 +131,10 @@ def _fwd_and_grads(x, w, cot, *, recipe):
 @pytest.mark.parametrize(
     "m, k, n, bwd_format, pow2",
     [
-        (100, 300, 200, "e4m3", False),  # partial tiles on every axis
-        (64, 128, 136, "e5m2", True),  # K = 128: one block; N one past a tile
-        (200, 256, 72, "e5m2", False),  # wgrad's K (= M tokens) partial, N < one tile
+        # Partial tiles on every axis of all three GEMMs: M = 200 (wgrad's K) is 1.56 blocks,
+        # K = 300 is 2.3 blocks, N = 72 is under one tile.
+        (200, 300, 72, "e4m3", False),
+        (64, 128, 136, "e5m2", True),  # K = 128: one block; N one past a tile; pow2 scales
         pytest.param(
             1000, 2100, 1500, "e4m3", False, marks=pytest.mark.skipif(not ON_GPU, reason="GPU")
         ),  # many CTAs and K steps past the ring depth: too slow for the interpreter
@@ -159,18 +160,25 @@ def test_pallas_fwd_dgrad_wgrad_equal_emulate(m, k, n, bwd_format, pow2):
 
 
 def test_pallas_batched_dot_general_equals_emulate():
-    """Leading batch axes (mapped over) and bf16 operands, output in bf16."""
+    """Leading batch axes (mapped over) through forward, dgrad and wgrad, with the batch and
+    contracting axes in non-canonical positions; bf16 operands, bf16 output and gradients."""
     rng = _rng(7)
-    a = jnp.asarray(rng.standard_normal((2, 40, 130)), jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((2, 130, 24)), jnp.bfloat16)
-    dn = (((2,), (1,)), ((0,), (0,)))
-    ys = {
-        be: fp8.fp8_dot_general(a, b, dn, recipe=fp8.get_recipe("fp8_block", backend=be))
-        for be in ("emulate", "pallas")
-    }
-    assert ys["pallas"].shape == (2, 40, 24) and ys["pallas"].dtype == jnp.bfloat16
-    # Both round the same f32 sums (up to order) to bf16: rare 1-ulp differences only.
-    assert _rel(ys["pallas"], ys["emulate"]) <= 1e-3
+    a = jnp.asarray(rng.standard_normal((40, 2, 130)), jnp.bfloat16)  # [M, batch, K]
+    b = jnp.asarray(rng.standard_normal((2, 24, 130)), jnp.bfloat16)  # [batch, N, K]
+    cot = jnp.asarray(rng.standard_normal((2, 40, 24)), jnp.bfloat16)
+    dn = (((2,), (2,)), ((1,), (0,)))
+    outs = {}
+    for be in ("emulate", "pallas"):
+        recipe = fp8.get_recipe("fp8_block", backend=be)
+        y, vjp = jax.vjp(lambda x, w, r=recipe: fp8.fp8_dot_general(x, w, dn, recipe=r), a, b)
+        outs[be] = (y, *vjp(cot))
+    assert outs["pallas"][0].shape == (2, 40, 24) and outs["pallas"][0].dtype == jnp.bfloat16
+    for name, o, r in zip(
+        ("forward", "dgrad", "wgrad"), outs["pallas"], outs["emulate"], strict=True
+    ):
+        assert o.shape == r.shape and o.dtype == r.dtype, name
+        # Both round the same f32 sums (up to order) to bf16: rare 1-ulp differences only.
+        assert _rel(o, r) <= 1e-3, (name, _rel(o, r))
 
 
 @pytest.mark.parametrize("name", ["fp8_tensor", "fp8_row"])
