@@ -33,7 +33,7 @@ contracted over the tokens; each GEMM re-quantizes its operands along its own co
 
 Backend `emulate` dequantizes to f32 and runs an f32 dot. On CPU XLA runs float8 dots by
 upcasting anyway, so this is exactly what an FP8 GEMM with f32 accumulation computes (up to the
-order of the f32 sums), and it is the reference the future `pallas` Hopper kernel is checked
+order of the f32 sums), and it is the reference the `pallas` Hopper kernel (`models.fp8_kernels`) is checked
 against.
 """
 
@@ -76,8 +76,9 @@ class Recipe:
       grad_granularity: tiles of output gradients.
       block_size: B of the 1 x B and B x B tiles.
       pow2_scales: round scales up to powers of two (UE8M0).
-      backend: "emulate" (f32 dot of dequantized operands) or "pallas" (Hopper kernel; not
-        built yet).
+      backend: "emulate" (f32 dot of dequantized operands) or "pallas" (the Hopper kernel of
+        `models.fp8_kernels`; block recipe with block_size 128 only; Mosaic GPU interpreter
+        off a GPU).
     """
 
     name: str
@@ -108,6 +109,18 @@ class Recipe:
         if self.backend not in ("emulate", "pallas"):
             raise ValueError(
                 f"Recipe {self.name!r}: backend={self.backend!r}; expected 'emulate' or 'pallas'"
+            )
+        grans = (self.act_granularity, self.weight_granularity, self.grad_granularity)
+        if (
+            self.backend == "pallas"
+            and self.quantized
+            and (grans != ("block",) * 3 or self.block_size != 128)
+        ):
+            raise ValueError(
+                f"Recipe {self.name!r}: backend='pallas' runs the block recipe only (act, "
+                f"weight and grad granularity 'block', block_size 128), got granularities "
+                f"{grans} and block_size {self.block_size}; use backend='emulate' for this "
+                f"recipe, or get_recipe('fp8_block', backend='pallas')"
             )
 
     @property
@@ -312,9 +325,18 @@ def _f32_matmul(a: Array, b: Array) -> Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
+def _kernels():
+    """models.fp8_kernels, imported on first use: it imports this module (for `quantize`)."""
+    from models import fp8_kernels
+
+    return fp8_kernels
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_matmul(a: Array, b: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     """a [*, M, K] @ b [*, K, N] with both operands quantized by the recipe; f32 accumulation."""
+    if recipe.backend == "pallas":
+        return _kernels().fprop(a, b, recipe, out_dtype)
     aq = _fq_operand(a, recipe.fwd_format, -1, recipe.act_granularity, "act", recipe)
     bq = _fq_operand(b, recipe.fwd_format, -2, recipe.weight_granularity, "weight", recipe)
     return _f32_matmul(aq, bq).astype(out_dtype)
@@ -327,6 +349,9 @@ def _fp8_matmul_fwd(a, b, recipe, out_dtype):
 def _fp8_matmul_bwd(recipe, out_dtype, res, g):
     a, b = res
     r = recipe
+    if r.backend == "pallas":
+        kernels = _kernels()
+        return kernels.dgrad(g, b, r, a.dtype), kernels.wgrad(a, g, r, b.dtype)
     # dgrad: da = g [*, M, N] . b^T [*, N, K], summed over N (g's and b's last axis).
     gq_d = _fq_operand(g, r.bwd_format, -1, r.grad_granularity, "grad", r)
     bq_d = _fq_operand(b, r.fwd_format, -1, r.weight_granularity, "weight", r)
@@ -390,10 +415,6 @@ def fp8_dot_general(
     if not recipe.quantized:
         return _high_precision_dot_general(
             lhs, rhs, dimension_numbers, precision, preferred_element_type
-        )
-    if recipe.backend != "emulate":
-        raise NotImplementedError(
-            f"FP8 backend {recipe.backend!r} is not built yet; use backend='emulate'"
         )
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc, lb, rb = (

@@ -303,13 +303,6 @@ class DotGeneralTest(chex.TestCase, parameterized.TestCase):
         )
         np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
 
-    def test_pallas_backend_is_refused_clearly(self):
-        recipe = fp8.get_recipe("fp8_block", backend="pallas")
-        with pytest.raises(NotImplementedError, match="emulate"):
-            fp8.fp8_dot_general(
-                jnp.ones((2, 4)), jnp.ones((4, 3)), (((1,), (0,)), ((), ())), recipe=recipe
-            )
-
     def test_unknown_recipe_names_choices(self):
         with pytest.raises(ValueError, match="fp8_block"):
             fp8.get_recipe("fp8_blocks")
