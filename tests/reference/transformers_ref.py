@@ -95,9 +95,7 @@ def job_chat_template(job: dict) -> tuple[dict, dict]:
         )
         ids.append([int(i) for i in out])
         texts.append(
-            tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
-            )
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         )
     return {"input_ids": ids, "text": texts}, {}
 
