@@ -395,6 +395,16 @@ def _describe(err: OmegaConfBaseException) -> str:
     return f"key {key!r}: {msg}" if key else msg
 
 
+def _yaml_error(value: str) -> bool:
+    import yaml
+
+    try:
+        yaml.safe_load(value)
+    except yaml.YAMLError:
+        return True
+    return False
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
@@ -428,6 +438,13 @@ def load_config(
             base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         except OmegaConfBaseException as e:
             raise ConfigError(f"command-line override: {_describe(e)}") from e
+        except Exception as e:  # yaml.YAMLError: an override's value is parsed as YAML
+            bad = next((it for it in dotlist if _yaml_error(it.split("=", 1)[1])), dotlist)
+            why = " ".join(str(e).split())
+            raise ConfigError(
+                f"command-line override {bad!r}: its value is not valid YAML ({why}); quote it, "
+                "e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+            ) from e
         # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
         # file's mandatory keys are checked against what the overrides set.
         given = {item.split("=", 1)[0] for item in overrides}

@@ -59,10 +59,11 @@ class Example:
 
 
 def _lookup(record: dict[str, Any], dotted: str) -> tuple[bool, Any]:
-    """(found, value) of a dotted path (`reward_model.ground_truth`) in nested dicts."""
+    """(found, value) of a dotted path (`reward_model.ground_truth`) in nested dicts; a null
+    value (Parquet's missing field) counts as absent."""
     node: Any = record
     for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
+        if not isinstance(node, dict) or node.get(part) is None:
             return False, None
         node = node[part]
     return True, node
@@ -78,7 +79,7 @@ def _messages(value: list[Any], where: str, key: str) -> tuple[Message, ...]:
             )
         for field in ("role", "content"):
             if not isinstance(m.get(field), str):
-                got = "missing" if field not in m else type(m[field]).__name__
+                got = "missing" if m.get(field) is None else type(m[field]).__name__
                 raise DataError(f"{where}: {key}[{j}].{field} must be a string, got {got}")
         out.append({"role": m["role"], "content": m["content"]})
     if not out:

@@ -68,7 +68,7 @@ def check_prompt_template(template: str) -> None:
     if bad or not fields:
         raise ValueError(
             f"{template!r} must hold the field {{prompt}} and no other (found "
-            f"{['{' + f + '}' for f in fields]}); write literal braces doubled, e.g. \\boxed{{}}"
+            f"{['{' + f + '}' for f in fields]}); write literal braces doubled, e.g. \\boxed{{{{}}}}"
         )
 
 

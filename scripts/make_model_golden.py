@@ -55,9 +55,7 @@ def main() -> None:
         tokens, mask = golden_inputs(cfg.vocab_size)
         with tempfile.TemporaryDirectory() as tmp:
             write_hf_folder(Path(tmp), cfg.to_hf_config(), tensors)
-            meta, out = run_reference(
-                "logits", folder=tmp, arrays={"tokens": tokens, "mask": mask}
-            )
+            meta, out = run_reference("logits", folder=tmp, arrays={"tokens": tokens, "mask": mask})
             logits = out["logits"]
         out = GOLDEN_DIR / f"{name}.npz"
         np.savez_compressed(
