@@ -125,8 +125,7 @@ def evaluate(
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The CLI (module docstring); prints the metrics as JSON; returns the exit code."""
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jfp8rl.eval", description="Evaluate an HF policy folder on a data file."
     )
@@ -140,14 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0, help="first L problems only (0 = all)")
     parser.add_argument("--out", default="", help="also write the metrics to this JSON file")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides: section.key=value")
-    args = parser.parse_args(argv)
+    return parser
 
-    from jfp8rl.config import ConfigError, load_config
+
+def run_cli(args: argparse.Namespace) -> dict[str, Any]:
+    """Evaluates as the parsed command line says (module docstring); returns the metrics."""
+    from jfp8rl.config import load_config
     from jfp8rl.data import load_examples
     from jfp8rl.loop import load_policy, make_backend
     from jfp8rl.rewards import get_verifier
     from models.hf_io import to_hf_state_dict
-    from rollout_bridge.backend import RolloutError
 
     sets = [f"model.path={args.model}", "data.task=file", f"data.train_file={args.data}"]
     if args.n is not None:
@@ -160,22 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         sets += ["rollout.backend=http", f"rollout.url={args.url}"]
     else:
         sets.append("rollout.backend=embedded")
-    try:
-        cfg = load_config(args.config, [*args.overrides, *sets])
-        examples = load_examples(
-            args.data, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
-        )
-        if args.limit:
-            examples = examples[: args.limit]
-        policy = load_policy(cfg, log=lambda msg: None)
-        fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
-        backend = make_backend(cfg, policy, Path(cfg.run_dir))
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RolloutError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    cfg = load_config(args.config, [*args.overrides, *sets])
+    examples = load_examples(
+        args.data, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key
+    )
+    if args.limit:
+        examples = examples[: args.limit]
+    policy = load_policy(cfg, log=lambda msg: None)
+    fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
+    backend = make_backend(cfg, policy, Path(cfg.run_dir))
     try:
         if cfg.rollout.backend == "embedded":
             # The run's own path: the weights go through the rollout export (FP8 block).
@@ -190,15 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
             chunk=cfg.data.batch_size * cfg.rollout.n, progress=progress,
         )  # fmt: skip
-    except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RolloutError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
     finally:
         backend.close()
-    out = {
+    return {
         "model": str(args.model),
         "data": str(args.data),
         "n": cfg.eval.n,
@@ -207,6 +195,23 @@ def main(argv: list[str] | None = None) -> int:
         "backend": cfg.rollout.url if cfg.rollout.backend == "http" else "embedded",
         **res.metrics(),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; prints the metrics as JSON. Exit codes: 0 done, 2 bad config or data, 1 the
+    rollout server failed."""
+    from jfp8rl.config import ConfigError
+    from rollout_bridge.backend import RolloutError
+
+    args = _parser().parse_args(argv)
+    try:
+        out = run_cli(args)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RolloutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
