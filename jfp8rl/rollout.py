@@ -76,15 +76,16 @@ def pack(
     correct: np.ndarray,
     keep: np.ndarray,
     *,
-    texts: Sequence[str],
-    answers: Sequence[str],
-    unparsed: np.ndarray,
     max_prompt_tokens: int,
     max_tokens: int,
     pad_id: int,
+    texts: Sequence[str] = (),
+    answers: Sequence[str] = (),
+    unparsed: np.ndarray | None = None,
 ) -> RolloutBatch:
     """Right-padded [N, P + R] tokens and [N, R] response arrays; `keep[i]` = 0 zeroes sample
-    i's response mask (a filler group of dynamic sampling)."""
+    i's response mask (a filler group of dynamic sampling). `texts` / `answers` / `unparsed`
+    (per sample) ride along for metrics and rollout dumps."""
     n_samples = len(completions)
     P, R = max_prompt_tokens, max_tokens
     tokens = np.full((n_samples, P + R), pad_id, np.int32)
@@ -113,7 +114,8 @@ def pack(
     return RolloutBatch(
         tokens, attn, prompt_lens, resp_mask, rollout_logp,
         rewards.astype(np.float32), correct.astype(np.float32), resp_lens, truncated,
-        tuple(completions), tuple(texts), tuple(answers), np.asarray(unparsed, bool),
+        tuple(completions), tuple(texts), tuple(answers),
+        np.zeros(n_samples, bool) if unparsed is None else np.asarray(unparsed, bool),
     )  # fmt: skip
 
 
