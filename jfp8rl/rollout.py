@@ -9,6 +9,10 @@ Layout of a batch of N = B * n samples (prompt-major: the n samples of prompt 0 
     response_mask   f32   [N, R]      1 on response tokens of groups that take part in the loss
     rollout_logp    f32   [N, R]      the rollout engine's logprobs of the response tokens
 
+Prompt ids come from `templates.PromptFormat` (prompt / chat template, no special tokens
+added) and generation stops on all of its stop ids; the same ids are packed here, so the
+trainer scores exactly what the backend saw.
+
 P = data.max_prompt_tokens and R = rollout.max_tokens are fixed, so every step has the same
 shapes and the jitted functions compile once. Response-aligned [N, R] arrays are what the loss
 takes (verl's `responses` layout); `step.gather_response` moves [N, T] per-token values there.

@@ -22,7 +22,7 @@ from jfp8rl.data import Example, load_examples
 from jfp8rl.eval import main as eval_main
 from jfp8rl.metrics import read_metrics
 from jfp8rl.rewards import math_answer_parsed, math_verify_reward
-from jfp8rl.templates import PromptFormat, compile_chat_template
+from jfp8rl.templates import PromptFormat
 from jfp8rl.train import main as train_main
 from models.tokenizer import load_tokenizer
 
@@ -61,29 +61,55 @@ def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_verl_parquet(tmp_path_factory.mktemp("data") / "train.parquet", PROBLEMS, SYSTEM)
 
 
+def _parquet_conversations(parquet: Path) -> list[list[dict[str, str]]]:
+    """The Parquet file's prompts as transformers gets them: the template applied by hand."""
+    convs = []
+    for ex in load_examples(parquet):
+        msgs = [dict(m) for m in ex.messages]
+        msgs[-1]["content"] = TEMPLATE.format(prompt=msgs[-1]["content"])
+        convs.append(msgs)
+    return convs
+
+
+@pytest.fixture(scope="module")
+def refs(chat_dir: Path, parquet: Path, transformers_ref) -> dict[bool, dict]:
+    """transformers' chat-template output for CONVERSATIONS + the Parquet prompts, keyed by
+    enable_thinking (one reference job each)."""
+    convs = CONVERSATIONS + _parquet_conversations(parquet)
+    out = {}
+    for thinking, kwargs in ((True, {}), (False, {"enable_thinking": False})):
+        meta, _ = transformers_ref(
+            "chat_template", folder=str(chat_dir), conversations=convs, kwargs=kwargs
+        )
+        out[thinking] = {"kwargs": kwargs, **meta}
+    return out
+
+
 def _example(messages: list[dict[str, str]]) -> Example:
     return Example(messages[-1]["content"], "", {}, tuple(messages))
 
 
-def test_chat_template_ids_equal_transformers(chat_dir: Path, transformers_ref) -> None:
+def test_chat_template_ids_equal_transformers(chat_dir: Path, refs: dict[bool, dict]) -> None:
     tok = load_tokenizer(chat_dir)
-    for kwargs in ({}, {"enable_thinking": False}):
-        meta, _ = transformers_ref(
-            "chat_template", folder=str(chat_dir), conversations=CONVERSATIONS, kwargs=kwargs
-        )
-        fmt = PromptFormat(chat_dir, tok, chat_template_kwargs=kwargs)
-        assert [fmt.render(_example(c)) for c in CONVERSATIONS] == meta["text"]
-        assert [fmt.encode([_example(c)], 512)[0] for c in CONVERSATIONS] == meta["input_ids"]
+    k = len(CONVERSATIONS)
+    for meta in refs.values():
+        fmt = PromptFormat(chat_dir, tok, chat_template_kwargs=meta["kwargs"])
+        assert [fmt.render(_example(c)) for c in CONVERSATIONS] == meta["text"][:k]
+        assert [fmt.encode([_example(c)], 512)[0] for c in CONVERSATIONS] == meta["input_ids"][:k]
         # Stop tokens: the tokenizer's eos, then generation_config's eos_token_id list.
         assert fmt.stop_ids[0] == meta["eos_token_id"]
         assert set(fmt.stop_ids) == {meta["eos_token_id"], *meta["generation_eos_token_id"]}
-    assert "<think>\n\n</think>" in meta["text"][0]
+    meta = refs[False]
+    assert meta["text"][0].endswith("<think>\n\n</think>\n\n")
     # The comparison can fail: without trim_blocks / lstrip_blocks the text differs.
     import jinja2
 
     plain = jinja2.Environment().from_string(fmt.template_source)
-    assert plain.render(messages=CONVERSATIONS[0], add_generation_prompt=True) != meta["text"][0]
-    assert compile_chat_template(fmt.template_source) is not None
+    text = plain.render(
+        messages=CONVERSATIONS[0], add_generation_prompt=True, enable_thinking=False
+    )
+    assert text != meta["text"][0]
+    assert text.split() == meta["text"][0].split()  # only the whitespace differs
 
 
 def _run(run_dir: Path, chat_dir: Path, parquet: Path, cache: Path, *extra: str) -> None:
@@ -131,20 +157,8 @@ def _check_dumps(run_dir: Path, chat_dir: Path, ref_ids: list[list[int]], ref_te
         assert m["reward/mean"] == pytest.approx(np.mean([r["reward"] for r in rows]))
 
 
-def _reference(chat_dir: Path, parquet: Path, transformers_ref, kwargs: dict) -> tuple[list, list]:
-    convs = []
-    for ex in load_examples(parquet):
-        msgs = [dict(m) for m in ex.messages]
-        msgs[-1]["content"] = TEMPLATE.format(prompt=msgs[-1]["content"])
-        convs.append(msgs)
-    meta, _ = transformers_ref(
-        "chat_template", folder=str(chat_dir), conversations=convs, kwargs=kwargs
-    )
-    return meta["input_ids"], meta["text"]
-
-
 def test_parquet_math_runs_embedded_and_vllm(
-    chat_dir: Path, parquet: Path, tmp_path: Path, vllm_venv: Path, transformers_ref
+    chat_dir: Path, parquet: Path, tmp_path: Path, vllm_venv: Path, refs: dict[bool, dict]
 ) -> None:
     from vllm_server import VllmServer
 
@@ -152,7 +166,8 @@ def test_parquet_math_runs_embedded_and_vllm(
     # Embedded engine, thinking off.
     emb = tmp_path / "embedded"
     _run(emb, chat_dir, parquet, cache, "data.chat_template_kwargs.enable_thinking=false")
-    ids_off, text_off = _reference(chat_dir, parquet, transformers_ref, {"enable_thinking": False})
+    k = len(CONVERSATIONS)
+    ids_off, text_off = refs[False]["input_ids"][k:], refs[False]["text"][k:]
     assert all(t.endswith("<think>\n\n</think>\n\n") for t in text_off)
     _check_dumps(emb, chat_dir, ids_off, text_off)
     # hf_final keeps the chat template and the stop tokens of the base folder.
@@ -161,7 +176,7 @@ def test_parquet_math_runs_embedded_and_vllm(
 
     # A real vLLM, thinking on (the template's default); the same server then answers
     # jfp8rl.eval --url on the final weights (the last push), as the run's final eval did.
-    ids_on, text_on = _reference(chat_dir, parquet, transformers_ref, {})
+    ids_on, text_on = refs[True]["input_ids"][k:], refs[True]["text"][k:]
     assert ids_on != ids_off
     with VllmServer(chat_dir, venv=vllm_venv, max_model_len=256) as srv:
         http = tmp_path / "vllm"
