@@ -1,7 +1,8 @@
 """Evaluation of a policy on a data set: pass@1, avg@K, pass@K and mean response length.
 
     python -m jfp8rl.eval --model DIR --data FILE [--n K --temperature T --max-tokens L]
-        [--url URL] [--config RUN_DIR/config.yaml] [section.key=value ...]
+        [--max-prompt-tokens P --reward math] [--url URL] [--config RUN_DIR/config.yaml]
+        [--limit L --out FILE] [section.key=value ...]
 
 DIR is an HF folder: a run's `hf_final`, or a checkpoint exported with
 `python -m jfp8rl.export RUN_DIR --step S`. FILE is a `.jsonl` / `.parquet` data file in any
@@ -134,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=None, help="samples per problem (eval.n)")
     parser.add_argument("--temperature", type=float, default=None, help="eval.temperature")
     parser.add_argument("--max-tokens", type=int, default=None, help="rollout.max_tokens")
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="data.max_prompt_tokens"
+    )
+    parser.add_argument("--reward", default=None, help="reward.kind: math | exact | task")
     parser.add_argument("--url", default="", help="a vLLM-compatible server instead of embedded")
     parser.add_argument("--config", default=None, help="run config (e.g. RUN_DIR/config.yaml)")
     parser.add_argument("--limit", type=int, default=0, help="first L problems only (0 = all)")
@@ -157,6 +162,10 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         sets.append(f"eval.temperature={args.temperature}")
     if args.max_tokens is not None:
         sets.append(f"rollout.max_tokens={args.max_tokens}")
+    if args.max_prompt_tokens is not None:
+        sets.append(f"data.max_prompt_tokens={args.max_prompt_tokens}")
+    if args.reward is not None:
+        sets.append(f"reward.kind={args.reward}")
     if args.url:
         sets += ["rollout.backend=http", f"rollout.url={args.url}"]
     else:
