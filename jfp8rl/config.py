@@ -19,6 +19,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -396,8 +397,6 @@ def _describe(err: OmegaConfBaseException) -> str:
 
 
 def _yaml_error(value: str) -> bool:
-    import yaml
-
     try:
         yaml.safe_load(value)
     except yaml.YAMLError:
@@ -438,7 +437,7 @@ def load_config(
             base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         except OmegaConfBaseException as e:
             raise ConfigError(f"command-line override: {_describe(e)}") from e
-        except Exception as e:  # yaml.YAMLError: an override's value is parsed as YAML
+        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
             bad = next((it for it in dotlist if _yaml_error(it.split("=", 1)[1])), dotlist)
             why = " ".join(str(e).split())
             raise ConfigError(
