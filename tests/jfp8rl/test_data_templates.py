@@ -137,6 +137,18 @@ def test_prompt_template_checks_and_config(tmp_path: Path) -> None:
     )
     assert cfg.data.prompt_template == DEEPSCALER.replace("\\b", "\b")  # YAML "\b" is backspace
     assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    # The README's YAML form: single quotes keep the backslash, '' is an apostrophe.
+    y = tmp_path / "run.yaml"
+    y.write_text(
+        "data:\n  task: file\n  train_file: d.parquet\n  prompt_template: '{prompt} Let''s think "
+        "step by step and output the final answer within \\boxed{{}}.'\n"
+        "  chat_template_kwargs: {enable_thinking: false}\n"
+    )
+    cfg = load_config(y)
+    assert cfg.data.prompt_template == DEEPSCALER
+    assert cfg.data.prompt_template.format(prompt="Q") == (
+        "Q Let's think step by step and output the final answer within \\boxed{}."
+    )
 
 
 def test_plain_folder_prompt_ids_and_stop_tokens(tmp_path: Path) -> None:
