@@ -8,7 +8,7 @@ dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config
 `save_config`, and that file loads back into an equal `Config`.
 
 Sections (one dataclass each): model, warmstart, data, rollout, reward, algorithm,
-calibration, train, optim, checkpoint, logging. Hyperparameter names follow verl where one
+calibration, train, optim, checkpoint, eval, logging. Hyperparameter names follow verl where one
 exists (`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`).
 """
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 from pathlib import Path
+from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -85,11 +87,27 @@ class WarmStartConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # "arithmetic": the built-in a+b task; "jsonl": `train_file` / `eval_file` with one
-    # {"prompt": str, "answer": str, ...} object per line.
+    # "arithmetic": the built-in a+b task; "file": `train_file` / `eval_file`, .jsonl or
+    # .parquet, flat {prompt, answer} or verl-layout records (jfp8rl/data.py); "jsonl" is the
+    # older name of "file".
     task: str = "arithmetic"
     train_file: str = ""
+    # Empty: the first eval_size training examples.
     eval_file: str = ""
+    # Dotted paths of the prompt / answer in each record; empty = "prompt" and "answer" (or
+    # verl's "reward_model.ground_truth").
+    prompt_key: str = ""
+    answer_key: str = ""
+    # Python format string around the prompt text with one field {prompt}; write literal
+    # braces doubled: "{prompt} Let's think step by step and output the final answer within
+    # \\boxed{{}}." Empty = the prompt as is. For chat prompts it wraps the last user message.
+    prompt_template: str = ""
+    # "auto": render with the model folder's chat template (tokenizer_config.json
+    # `chat_template` or chat_template.jinja) when it has one, add_generation_prompt on (a
+    # message-list prompt without one is an error); "none": raw prompt text.
+    chat_template: str = "auto"
+    # Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Built-in task: operands have 1..max_digits digits; eval_size held-out problems.
     max_digits: int = 2
     eval_size: int = 256
@@ -101,9 +119,19 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("data", "task", self.task, ("arithmetic", "jsonl"))
-        if self.task == "jsonl" and not self.train_file:
-            raise ConfigError("data.task=jsonl needs data.train_file=<path to a .jsonl file>")
+        _check_choice("data", "task", self.task, ("arithmetic", "file", "jsonl"))
+        if self.task != "arithmetic" and not self.train_file:
+            raise ConfigError(
+                f"data.task={self.task} needs data.train_file=<path to a .jsonl / .parquet file>"
+            )
+        _check_choice("data", "chat_template", self.chat_template, ("auto", "none"))
+        if self.prompt_template:
+            from jfp8rl.templates import check_prompt_template
+
+            try:
+                check_prompt_template(self.prompt_template)
+            except ValueError as e:
+                raise ConfigError(f"data.prompt_template: {e}") from e
         _check_positive("data", "batch_size", self.batch_size)
         _check_positive("data", "max_prompt_tokens", self.max_prompt_tokens)
         _check_positive("data", "eval_size", self.eval_size, allow_zero=True)
@@ -292,13 +320,34 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class EvalConfig:
+    # Samples per eval problem and their temperature (jfp8rl/eval.py): eval/accuracy is the
+    # mean accuracy over all samples (greedy accuracy at temperature 0, avg@n otherwise).
+    n: int = 1
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("eval", "n", self.n)
+        _check_positive("eval", "temperature", self.temperature, allow_zero=True)
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"eval.n={self.n} with eval.temperature=0: greedy samples are identical; "
+                "set eval.temperature > 0 (e.g. 0.6) or eval.n=1"
+            )
+
+
+@dataclasses.dataclass
 class LoggingConfig:
     # "line": one line per step with rate and ETA; "none": silent (metrics.jsonl still written).
     console: str = "line"
     tensorboard: bool = True
+    # Samples per step written to <run_dir>/rollouts/step_<step>.jsonl (jfp8rl/rollout_dump.py),
+    # rounded up to whole groups of rollout.n; 0 = none.
+    rollout_samples: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("logging", "console", self.console, ("line", "none"))
+        _check_positive("logging", "rollout_samples", self.rollout_samples, allow_zero=True)
 
 
 @dataclasses.dataclass
@@ -315,6 +364,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
@@ -344,6 +394,14 @@ def _describe(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     msg = str(err).split("\n")[0]
     return f"key {key!r}: {msg}" if key else msg
+
+
+def _yaml_error(value: str) -> bool:
+    try:
+        yaml.safe_load(value)
+    except yaml.YAMLError:
+        return True
+    return False
 
 
 def load_config(
@@ -379,6 +437,13 @@ def load_config(
             base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         except OmegaConfBaseException as e:
             raise ConfigError(f"command-line override: {_describe(e)}") from e
+        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
+            bad = next((it for it in dotlist if _yaml_error(it.split("=", 1)[1])), dotlist)
+            why = " ".join(str(e).split())
+            raise ConfigError(
+                f"command-line override {bad!r}: its value is not valid YAML ({why}); quote it, "
+                "e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+            ) from e
         # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
         # file's mandatory keys are checked against what the overrides set.
         given = {item.split("=", 1)[0] for item in overrides}

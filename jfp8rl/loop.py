@@ -34,14 +34,18 @@ from jfp8rl import mesh as mesh_lib
 from jfp8rl.checkpoint import Checkpointer
 from jfp8rl.config import Config, ConfigError, save_config, to_yaml
 from jfp8rl.data import PromptStream, build_datasets
+from jfp8rl.eval import evaluate
+from jfp8rl.export import save_policy_folder
 from jfp8rl.metrics import MetricsLogger
 from jfp8rl.rewards import get_verifier
-from jfp8rl.rollout import RolloutSettings, collect, evaluate
+from jfp8rl.rollout import RolloutSettings, collect
+from jfp8rl.rollout_dump import write_rollouts
 from jfp8rl.step import OptimSettings, default_settings, make_step_fns
+from jfp8rl.templates import PromptFormat, stop_token_ids
 from losses import calibrated as cal
 from losses.registry import get_algorithm
-from models.hf_io import load_hf, save_hf, to_hf_state_dict
-from models.tokenizer import eos_token_id, load_tokenizer
+from models.hf_io import load_hf, to_hf_state_dict
+from models.tokenizer import load_tokenizer
 from rollout_bridge.backend import RolloutBackend, RolloutError
 
 # Metrics that only a calibrating mini-batch computes (`losses.calibrated.calibrate`); between
@@ -93,7 +97,7 @@ def load_policy(cfg: Config, log: Any) -> Policy:
         )  # fmt: skip
     mcfg, graphdef, params = load_hf(path, compute_dtype=jnp.dtype(cfg.model.compute_dtype))
     tok = load_tokenizer(path)
-    return Policy(mcfg, graphdef, params, tok, eos_token_id(tok), path)
+    return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok)[0], path)
 
 
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
@@ -149,7 +153,10 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
         cfg.data.eval_file,
         cfg.data.max_digits,
         cfg.data.eval_size,
+        prompt_key=cfg.data.prompt_key,
+        answer_key=cfg.data.answer_key,
     )
+    fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
     stream_ = PromptStream(train_set, cfg.data.seed)
     verifier = get_verifier(cfg.reward.kind)
     settings = RolloutSettings(
@@ -244,10 +251,10 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
 
     def run_eval() -> float:
         return evaluate(
-            backend, eval_set, policy.tokenizer, policy.eos_id, verifier,
+            backend, eval_set, fmt, verifier, n=cfg.eval.n, temperature=cfg.eval.temperature,
             max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
             chunk=cfg.data.batch_size * cfg.rollout.n,
-        )  # fmt: skip
+        ).avg  # fmt: skip
 
     carried_now: dict[str, float] = dict(carried_init)
 
@@ -278,7 +285,7 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
             step += 1
             t0 = time.perf_counter()
             batch, position, rstats = collect(
-                backend, stream_, position, policy.tokenizer, policy.eos_id, verifier, settings,
+                backend, stream_, position, fmt, verifier, settings,
                 seed=cfg.train.seed * 1_000_003 + step * 101, version=version(step - 1),
             )  # fmt: skip
             t_roll = time.perf_counter() - t0
@@ -300,6 +307,9 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
             full = {**host, **{k: np.asarray(v) for k, v in prep.items()}}
             full.pop("rewards")
             full.pop("response_lens")
+            if cfg.logging.rollout_samples:
+                write_rollouts(run_dir, step, batch, full["advantages"], fmt,
+                               cfg.logging.rollout_samples, cfg.rollout.n)  # fmt: skip
             mb_size = n_samples // cfg.train.mini_batches
             state["rng"] = jax.random.key_data(
                 jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
@@ -394,7 +404,7 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
 
     if step == cfg.train.steps and cfg.checkpoint.export_hf:
         hf_dir = run_dir / "hf_final"
-        save_hf(hf_dir, policy.cfg, state["params"], policy.tokenizer)
+        save_policy_folder(hf_dir, policy, state["params"])
         summary["hf_final"] = str(hf_dir)
     from jfp8rl.metrics import read_metrics
 

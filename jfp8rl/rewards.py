@@ -14,7 +14,9 @@ multiplied by `overlong_penalty`. |y| counts response tokens including eos, as v
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,14 +42,48 @@ def exact_match(response: str, answer: str) -> float:
     return float(norm(response) == norm(answer))
 
 
-def math_verify_reward(response: str, answer: str) -> float:
-    """math-verify equivalence of the response's final answer (boxed or last expression) with
-    the reference; 0 when either side does not parse. math-verify's own timeouts apply."""
-    from math_verify import parse, verify  # heavy import (sympy); only when configured
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces matched) in `text`, or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None  # unbalanced: the response was cut off inside the box
 
+
+@functools.lru_cache(maxsize=8192)
+def math_prediction(response: str) -> Any:
+    """math-verify's parse of the last `\\boxed{}` answer of `response`; None when there is no
+    box or math-verify cannot parse its content (an unparsed answer, `reward/unparsed_frac`).
+    Cached: the verifier and the unparsed count parse each response once."""
+    from math_verify import parse  # heavy import (sympy); only when configured
+
+    boxed = last_boxed(response)
+    if boxed is None or not boxed.strip():
+        return None
+    pred = parse(f"$\\boxed{{{boxed}}}$")
+    return pred or None
+
+
+def math_answer_parsed(response: str) -> bool:
+    """Whether `response` holds a parsable `\\boxed{}` answer."""
+    return math_prediction(response) is not None
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """math-verify equivalence of the response's last `\\boxed{}` answer with the reference
+    (DeepScaleR / DAPO's rule: the boxed answer counts); 0 when either side does not parse.
+    math-verify's own timeouts apply."""
+    from math_verify import parse, verify
+
+    pred = math_prediction(response)
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    pred = parse(response)
-    if not gold or not pred:
+    if not gold or pred is None:
         return 0.0
     try:
         return float(bool(verify(gold, pred)))
@@ -60,6 +96,11 @@ VERIFIERS: dict[str, Verifier] = {
     "exact": exact_match,
     "math": math_verify_reward,
 }
+
+
+# Verifiers that extract an answer before judging it say how, so a run can count the
+# responses without one (`reward/unparsed_frac`).
+ANSWER_PARSERS: dict[Verifier, Callable[[str], bool]] = {math_verify_reward: math_answer_parsed}
 
 
 def get_verifier(kind: str) -> Verifier:

@@ -9,6 +9,10 @@ Layout of a batch of N = B * n samples (prompt-major: the n samples of prompt 0 
     response_mask   f32   [N, R]      1 on response tokens of groups that take part in the loss
     rollout_logp    f32   [N, R]      the rollout engine's logprobs of the response tokens
 
+Prompt ids come from `templates.PromptFormat` (prompt / chat template, no special tokens
+added) and generation stops on all of its stop ids; the same ids are packed here, so the
+trainer scores exactly what the backend saw.
+
 P = data.max_prompt_tokens and R = rollout.max_tokens are fixed, so every step has the same
 shapes and the jitted functions compile once. Response-aligned [N, R] arrays are what the loss
 takes (verl's `responses` layout); `step.gather_response` moves [N, T] per-token values there.
@@ -24,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from jfp8rl.data import Example, PromptStream, encode_prompts
-from jfp8rl.rewards import Verifier, score_responses
+from jfp8rl.data import Example, PromptStream
+from jfp8rl.rewards import ANSWER_PARSERS, Verifier, score_responses
+from jfp8rl.templates import PromptFormat
 from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
 
 
@@ -46,6 +50,10 @@ class RolloutBatch:
     correct: np.ndarray  # f32 [N], verifier correctness in {0, 1}
     response_lens: np.ndarray  # int32 [N], tokens generated (eos included)
     truncated: np.ndarray  # bool [N], finish_reason == "length"
+    completions: tuple[Completion, ...]  # the backend's answers (ids, finish, weight version)
+    texts: tuple[str, ...]  # response texts up to the first stop token (what was scored)
+    answers: tuple[str, ...]  # reference answers
+    unparsed: np.ndarray  # bool [N], no answer the verifier could extract (math: no \boxed{})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +74,6 @@ class RolloutSettings:
     overlong_penalty: float
 
 
-def decode_response(tokenizer: Any, ids: Sequence[int], eos_id: int) -> str:
-    """The response text up to (not including) the first eos."""
-    ids = list(ids)
-    if eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
-    return tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def pack(
     completions: Sequence[Completion],
     rewards: np.ndarray,
@@ -83,9 +83,13 @@ def pack(
     max_prompt_tokens: int,
     max_tokens: int,
     pad_id: int,
+    texts: Sequence[str] = (),
+    answers: Sequence[str] = (),
+    unparsed: np.ndarray | None = None,
 ) -> RolloutBatch:
     """Right-padded [N, P + R] tokens and [N, R] response arrays; `keep[i]` = 0 zeroes sample
-    i's response mask (a filler group of dynamic sampling)."""
+    i's response mask (a filler group of dynamic sampling). `texts` / `answers` / `unparsed`
+    (per sample) ride along for metrics and rollout dumps."""
     n_samples = len(completions)
     P, R = max_prompt_tokens, max_tokens
     tokens = np.full((n_samples, P + R), pad_id, np.int32)
@@ -114,20 +118,24 @@ def pack(
     return RolloutBatch(
         tokens, attn, prompt_lens, resp_mask, rollout_logp,
         rewards.astype(np.float32), correct.astype(np.float32), resp_lens, truncated,
+        tuple(completions), tuple(texts), tuple(answers),
+        np.zeros(n_samples, bool) if unparsed is None else np.asarray(unparsed, bool),
     )  # fmt: skip
+
+
+Group = tuple[list[Completion], np.ndarray, np.ndarray, list[str], list[str]]
 
 
 def _sample_round(
     backend: RolloutBackend,
     examples: Sequence[Example],
-    tokenizer: Any,
-    eos_id: int,
+    fmt: PromptFormat,
     verifier: Verifier,
     s: RolloutSettings,
     seed: int,
     version: str,
-) -> tuple[list[Completion], np.ndarray, np.ndarray]:
-    prompts = encode_prompts(examples, tokenizer, s.max_prompt_tokens)
+) -> Group:
+    prompts = fmt.encode(examples, s.max_prompt_tokens)
     sampling = SamplingParams(
         n=s.n,
         max_tokens=s.max_tokens,
@@ -135,7 +143,7 @@ def _sample_round(
         top_p=s.top_p,
         top_k=s.top_k,
         seed=seed,
-        stop_token_ids=(eos_id,),
+        stop_token_ids=fmt.stop_ids,
     )
     comps = backend.generate(prompts, sampling)
     if len(comps) != len(prompts) * s.n:
@@ -146,7 +154,7 @@ def _sample_round(
         raise RolloutError(
             f"rollout used weight version(s) {sorted(stale)} but the trainer pushed {version!r}"
         )
-    texts = [decode_response(tokenizer, c.response_ids, eos_id) for c in comps]
+    texts = [fmt.response_text(c.response_ids) for c in comps]
     answers = [examples[i // s.n].answer for i in range(len(comps))]
     lens = np.array([len(c.response_ids) for c in comps])
     rewards, correct = score_responses(
@@ -154,15 +162,14 @@ def _sample_round(
         verifier=verifier, max_tokens=s.max_tokens, overlong=s.overlong,
         overlong_buffer=s.overlong_buffer, overlong_penalty_coef=s.overlong_penalty,
     )  # fmt: skip
-    return comps, rewards, correct
+    return comps, rewards, correct, texts, answers
 
 
 def collect(
     backend: RolloutBackend,
     stream: PromptStream,
     position: int,
-    tokenizer: Any,
-    eos_id: int,
+    fmt: PromptFormat,
     verifier: Verifier,
     s: RolloutSettings,
     *,
@@ -174,8 +181,8 @@ def collect(
     `seed` fixes the samples (round k uses seed + k), so a resumed run redraws the same ones.
     """
     n = s.n
-    kept: list[tuple[list[Completion], np.ndarray, np.ndarray]] = []  # one entry per group
-    dropped: list[tuple[list[Completion], np.ndarray, np.ndarray]] = []
+    kept: list[Group] = []  # one entry per group
+    dropped: list[Group] = []
     sampled_groups = 0
     rounds = 1 + (s.max_rounds if s.dynamic_sampling else 0)
     for k in range(rounds):
@@ -183,13 +190,13 @@ def collect(
         if need == 0:
             break
         examples, position = stream.take(position, need if k == 0 else s.batch_size)
-        comps, rewards, correct = _sample_round(
-            backend, examples, tokenizer, eos_id, verifier, s, seed + k, version
+        comps, rewards, correct, texts, answers = _sample_round(
+            backend, examples, fmt, verifier, s, seed + k, version
         )
         sampled_groups += len(examples)
         for g in range(len(examples)):
             sl = slice(g * n, (g + 1) * n)
-            group = (comps[sl], rewards[sl], correct[sl])
+            group = (comps[sl], rewards[sl], correct[sl], texts[sl], answers[sl])
             informative = not np.all(rewards[sl] == rewards[sl][0])
             if s.dynamic_sampling and not informative:
                 dropped.append(group)
@@ -202,46 +209,20 @@ def collect(
     comps = [c for g in groups for c in g[0]]
     rewards = np.concatenate([g[1] for g in groups])
     correct = np.concatenate([g[2] for g in groups])
+    texts = [t for g in groups for t in g[3]]
+    answers = [a for g in groups for a in g[4]]
     keep = np.repeat(np.arange(s.batch_size) < len(kept), n)
+    parser = ANSWER_PARSERS.get(verifier)
+    unparsed = np.array([parser is not None and not parser(t) for t in texts], bool)
     batch = pack(
-        comps, rewards, correct, keep,
-        max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, pad_id=eos_id,
+        comps, rewards, correct, keep, texts=texts, answers=answers, unparsed=unparsed,
+        max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, pad_id=fmt.pad_id,
     )  # fmt: skip
     stats = {
         "rollout/sampled_groups": float(sampled_groups),
         "rollout/filled_groups": float(filled),
         "rollout/truncated_frac": float(batch.truncated.mean()),
     }
+    if parser is not None:
+        stats["reward/unparsed_frac"] = float(unparsed.mean())
     return batch, position, stats
-
-
-def evaluate(
-    backend: RolloutBackend,
-    examples: Sequence[Example],
-    tokenizer: Any,
-    eos_id: int,
-    verifier: Verifier,
-    *,
-    max_prompt_tokens: int,
-    max_tokens: int,
-    chunk: int = 128,
-) -> float:
-    """Greedy (temperature 0) accuracy of the served policy on `examples`.
-
-    Prompts go out `chunk` at a time; with chunk = the rollout's rows per request (B * n) the
-    embedded engine reuses the training rollout's compiled executable.
-    """
-    if not examples:
-        return float("nan")
-    prompts = encode_prompts(examples, tokenizer, max_prompt_tokens)
-    sampling = SamplingParams(
-        n=1, max_tokens=max_tokens, temperature=0.0, seed=0, stop_token_ids=(eos_id,)
-    )
-    comps = []
-    for i in range(0, len(prompts), chunk):
-        comps += backend.generate(prompts[i : i + chunk], sampling)
-    scores = [
-        verifier(decode_response(tokenizer, c.response_ids, eos_id), ex.answer)
-        for c, ex in zip(comps, examples, strict=True)
-    ]
-    return float(np.mean(scores))

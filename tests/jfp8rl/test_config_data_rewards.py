@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jfp8rl.config import Config, ConfigError, load_config, save_config
-from jfp8rl.data import DataError, PromptStream, arithmetic_split, load_jsonl
+from jfp8rl.data import DataError, PromptStream, arithmetic_split, load_examples
 from jfp8rl.rewards import (
     exact_match,
     math_verify_reward,
@@ -74,7 +74,7 @@ def test_jsonl_ok_and_errors(tmp_path: Path) -> None:
     p.write_text(
         '{"prompt": "1+1=", "answer": "2", "src": "x"}\n\n{"prompt": "2+2=", "answer": 4}\n'
     )
-    ex = load_jsonl(p)
+    ex = load_examples(p)
     assert [(e.prompt, e.answer) for e in ex] == [("1+1=", "2"), ("2+2=", "4")]
     assert ex[0].meta == {"src": "x"}
     cases = {
@@ -89,9 +89,9 @@ def test_jsonl_ok_and_errors(tmp_path: Path) -> None:
             DataError,
             match=str(p).replace(".", r"\.") + msg.replace("[", r"\[").replace("(", r"\("),
         ):
-            load_jsonl(p)
+            load_examples(p)
     with pytest.raises(DataError, match="not found"):
-        load_jsonl(tmp_path / "nope.jsonl")
+        load_examples(tmp_path / "nope.jsonl")
 
 
 def test_arithmetic_split_disjoint_and_correct() -> None:

@@ -197,3 +197,43 @@ def test_nonfinite_updates_in_a_row_stop_with_a_loadable_checkpoint(
     for a, b in zip(jax.tree.leaves(last["params"]), jax.tree.leaves(first["params"]), strict=True):
         assert np.all(np.isfinite(np.asarray(a)))
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_export_and_eval_reproduce_the_run(
+    full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`jfp8rl.export` of the last checkpoint equals `hf_final` byte for byte (one from the
+    orbax checkpoint, one from the in-memory final state); `jfp8rl.eval` with the run's config
+    on the exports of steps 2 and 4 reproduces the run's greedy eval accuracy of those steps."""
+    from jfp8rl.data import arithmetic_split
+    from jfp8rl.eval import main as eval_main
+    from jfp8rl.export import main as export_main
+
+    for step in (2, 4):
+        assert (
+            export_main([str(full_run), "--step", str(step), "--out", str(tmp_path / f"s{step}")])
+            == 0
+        )
+    a = read_safetensors(full_run / "hf_final" / "model.safetensors")
+    b = read_safetensors(tmp_path / "s4" / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "s4" / name).read_text() == (full_run / "hf_final" / name).read_text()
+    assert export_main([str(full_run), "--step", "1"]) == 2
+    assert "no checkpoint for step 1; saved steps: [2, 4]" in capsys.readouterr().err
+
+    _, evals = arithmetic_split(2, 16)  # the run's eval set (data.eval_size=16)
+    data = tmp_path / "eval.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n" for e in evals)
+    )
+    logged = {r["step"]: r["eval/accuracy"] for r in read_metrics(full_run) if "eval/accuracy" in r}
+    for step in (2, 4):
+        out = tmp_path / f"eval{step}.json"
+        argv = ["--model", str(tmp_path / f"s{step}"), "--data", str(data),
+                "--config", str(full_run / "config.yaml"), "--out", str(out)]  # fmt: skip
+        assert eval_main(argv) == 0
+        res = json.loads(out.read_text())
+        assert res["problems"] == 16 and res["temperature"] == 0 and res["n"] == 1
+        assert res["pass@1"] == res["avg@1"] == logged[step], step
+        assert 1 <= res["response_length/mean"] <= 6  # rollout.max_tokens of the run

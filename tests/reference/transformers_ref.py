@@ -20,7 +20,9 @@ Jobs (`kind`):
 - `chat_template`: `folder`, `conversations` (list of message lists), `kwargs` (extra template
   variables, e.g. `enable_thinking`) -> `input_ids` of
   `apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)` and
-  `text` of the same with `tokenize=False`.
+  `text` of the same with `tokenize=False`, the tokenizer's `eos_token_id` and
+  `generation_eos_token_id` (`GenerationConfig.from_pretrained(folder).eos_token_id`, None
+  without a generation_config.json).
 """
 
 from __future__ import annotations
@@ -97,7 +99,14 @@ def job_chat_template(job: dict) -> tuple[dict, dict]:
         texts.append(
             tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         )
-    return {"input_ids": ids, "text": texts}, {}
+    gen = Path(job["folder"]) / "generation_config.json"
+    gen_eos = transformers.GenerationConfig.from_pretrained(job["folder"]).eos_token_id
+    return {
+        "input_ids": ids,
+        "text": texts,
+        "eos_token_id": tok.eos_token_id,
+        "generation_eos_token_id": gen_eos if gen.is_file() else None,
+    }, {}
 
 
 JOBS = {
