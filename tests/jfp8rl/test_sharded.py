@@ -24,7 +24,7 @@ import json, sys
 from jfp8rl.config import load_config
 from jfp8rl.metrics import read_metrics
 from jfp8rl.loop import run
-overrides = json.loads(sys.argv[1]) + [f"run_dir={sys.argv[2]}/d2", "train.num_devices=2"]
+overrides = json.loads(sys.argv[1]) + [f"run_dir={sys.argv[2]}/d2", "train.mesh.data=2"]
 run(load_config(sys.argv[3], overrides))
 print(json.dumps(read_metrics(f"{sys.argv[2]}/d2")))
 """
