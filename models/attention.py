@@ -54,21 +54,24 @@ def reference_attention(
     v: Float[Array, "B S K E"],
     allowed: Bool[Array, "B T S"],
 ) -> Float[Array, "B T H E"]:
-    """softmax(q k^T / sqrt(E) + mask) v with GQA (query head h reads kv head h // (H/K)).
+    """softmax(q k^T / sqrt(E) + mask) v with GQA (query head h reads kv head h // (H/K)),
+    as out = (p v) / sum_s p with p = exp(x - max_s x) (f32, cast to v's dtype for p v).
 
-    Scores and softmax in f32; `allowed[b, t, s]` is False where query t must not see key s.
+    `allowed[b, t, s]` is False where query t must not see key s. Normalising after the
+    product (as FlashAttention does) makes a one-block `chunked_attention` the same sequence
+    of roundings, so in bf16 the KV-cache decode step (this function) and the chunked prefill
+    and training forward agree to f32 reduction order, not just to bf16 rounding.
     """
     b, t, h, d = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(d))
+    scores = scores * np.float32(1.0 / np.sqrt(d))
     scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(
-        "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, t, h, d).astype(q.dtype)
+    p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    out = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.sum(p, axis=-1)[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def causal_allowed(key_mask: Bool[Array, "B T"]) -> Bool[Array, "B T T"]:
@@ -315,18 +318,35 @@ def cudnn_attention(
             f"attention='cudnn' needs bf16/fp16 activations, got {q.dtype}; set "
             "model.compute_dtype=bfloat16 or model.attention=chunked"
         )
+    return length_masked_attention(q, k, v, key_mask, implementation="cudnn")
+
+
+def length_masked_attention(
+    q: Float[Array, "B T H E"],
+    k: Float[Array, "B T K E"],
+    v: Float[Array, "B T K E"],
+    key_mask: Bool[Array, "B T"],
+    *,
+    implementation: str,
+) -> Float[Array, "B T H E"]:
+    """`jax.nn.dot_product_attention(implementation=...)` with the padding given as per-row
+    lengths: each row is rotated left by its leading pads, so its real run starts at column 0,
+    attended with `is_causal` and q/kv lengths = #real, and rotated back; pad query rows give 0.
+    "cudnn" in production; "xla" (the same API and length semantics) tests the rotation on CPU.
+    """
     t = key_mask.shape[1]
     lengths = jnp.sum(key_mask, axis=1, dtype=jnp.int32)
     first = jnp.where(lengths > 0, jnp.argmax(key_mask, axis=1), 0).astype(jnp.int32)
+    # An all-pad row keeps one (masked-out) key so cuDNN never sees length 0.
+    lengths = jnp.maximum(lengths, 1)
     out = jax.nn.dot_product_attention(
         _rotate_rows(q, first),
         _rotate_rows(k, first),
         _rotate_rows(v, first),
         is_causal=True,
-        # An all-pad row keeps one (masked-out) key so cuDNN never sees length 0.
-        query_seq_lengths=jnp.maximum(lengths, 1),
-        key_value_seq_lengths=jnp.maximum(lengths, 1),
-        implementation="cudnn",
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
     )
     out = _rotate_rows(out, (t - first) % t)
     return jnp.where(key_mask[:, :, None, None], out, 0).astype(q.dtype)
