@@ -301,12 +301,14 @@ class OptimConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
+    eps: float = 1e-8
 
     def __post_init__(self) -> None:
         _check_positive("optim", "lr", self.lr)
         _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
         _check_positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
         _check_positive("optim", "grad_clip", self.grad_clip)
+        _check_positive("optim", "eps", self.eps)
 
 
 @dataclasses.dataclass

@@ -167,7 +167,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches
     opt = OptimSettings(
-        o.lr, o.warmup_steps * updates_per_step, o.weight_decay, o.grad_clip, o.b1, o.b2
+        o.lr, o.warmup_steps * updates_per_step, o.weight_decay, o.grad_clip, o.b1, o.b2, o.eps
     )
     return s, opt
 

@@ -88,8 +88,9 @@ def _with_sharding(tree: Any, shardings: Any) -> Any:
     )
 
 
-def plan(cfg: Any, log: Any = print) -> dict[str, Any]:
-    """Compiles the step's programs for `cfg` abstractly; returns (and logs) the numbers."""
+def plan(cfg: Any, log: Any = print, num_layers: int | None = None) -> dict[str, Any]:
+    """Compiles the step's programs for `cfg` abstractly; returns (and logs) the numbers.
+    `num_layers` overrides the preset's depth (to show compile time does not grow with it)."""
     import jax
     import jax.numpy as jnp
 
@@ -104,6 +105,8 @@ def plan(cfg: Any, log: Any = print) -> dict[str, Any]:
     mcfg = model_config(m.preset).replace(
         compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat, attention=m.attention
     )
+    if num_layers:
+        mcfg = mcfg.replace(num_layers=num_layers)
     graphdef, params = mf.abstract_model(mcfg)
     mesh = build_mesh(cfg)
     layout = mesh_lib.param_layout(mesh, mcfg, params)
@@ -125,7 +128,8 @@ def plan(cfg: Any, log: Any = print) -> dict[str, Any]:
     n_step = cfg.data.batch_size * cfg.rollout.n
     batch = abstract_batch(n_step, prompt_len, resp_len, layout.batch())
     mini = abstract_batch(cfg.mini_batch_size, prompt_len, resp_len, layout.batch())
-    prep_out, _ = jax.eval_shape(fns.prepare_programs[calibrate], state["params"], ref, mini)
+    with fns.mesh_context():
+        prep_out, _ = jax.eval_shape(fns.prepare_programs[calibrate], state["params"], ref, mini)
     mb = {k: mini[k] for k in UPDATE_INPUTS} | _with_sharding(
         prep_out, jax.tree.map(lambda _: layout.batch(), prep_out)
     )
@@ -155,7 +159,8 @@ def plan(cfg: Any, log: Any = print) -> dict[str, Any]:
     for name, (fn, args) in programs.items():
         log(f"compiling {name} ({kind}) ...")
         t0 = time.perf_counter()
-        compiled = fn.lower(*args).compile()
+        with fns.mesh_context():
+            compiled = fn.lower(*args).compile()
         dt = time.perf_counter() - t0
         compile_s += dt
         ma = compiled.memory_analysis()
@@ -201,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--devices", type=int, default=0, help="plan on N forced CPU host devices (0: real ones)"
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="override the preset's layer count (compile-time scaling)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
     args = parser.parse_args(argv)
     if args.devices:
@@ -210,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The paper configs mark the weights and data as mandatory (???): a plan needs neither.
         overrides = ["model.path=", "data.task=arithmetic", "data.train_file=", *args.overrides]
-        plan(load_config(args.config, overrides))
+        plan(load_config(args.config, overrides), num_layers=args.layers or None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
