@@ -103,7 +103,8 @@ class EmbeddedBackend(RolloutBackend):
 
     Args:
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
-      graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`).
+      graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
+        params are copied, so the caller may donate or delete its own buffers.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
       eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
@@ -134,7 +135,10 @@ class EmbeddedBackend(RolloutBackend):
     ) -> None:
         self.cfg = cfg
         self.graphdef = graphdef
-        self.params = params
+        # Own buffers: the trainer donates its train-state params to its update, and a
+        # `device_put` to the same placement returns the same buffers, so holding the caller's
+        # arrays could leave the engine with deleted ones.
+        self.params = jax.tree.map(jnp.copy, params)
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.eos_id = eos_id
         self.max_len = int(max_len or cfg.max_position_embeddings)

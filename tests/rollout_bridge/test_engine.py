@@ -212,6 +212,18 @@ def test_score_equals_token_logprobs(model, engine):
         np.testing.assert_array_equal(rk, np.concatenate([[1], want_rank]))
 
 
+def test_engine_owns_its_weights(model, engine):
+    """The caller's param buffers may be donated or deleted (the trainer donates its state)."""
+    cfg, graphdef, params, _ = model
+    mine = jax.tree.map(jnp.copy, params)
+    own = EmbeddedBackend(cfg, graphdef, mine, recipe="fp8_block", eos_id=None, max_len=256)
+    jax.tree.map(lambda x: x.delete(), mine)
+    seqs = [[1, 2, 3, 4, 5], [9]]
+    for a, b in zip(own.score(seqs), engine.score(seqs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    own.close()
+
+
 def test_errors_name_the_problem(engine):
     with pytest.raises(RolloutError, match="max_len"):
         engine.generate([[1] * 250], SamplingParams(max_tokens=10))
