@@ -349,10 +349,12 @@ def save_hf(
 ) -> Path:
     """Writes an HF folder that transformers and vLLM load: config.json, float32 weights
     (`model.safetensors`, or shards + index above `max_shard_bytes`), generation_config.json,
-    and the tokenizer files when `tokenizer` is given. Returns the folder."""
+    and the tokenizer files when `tokenizer` is given. Returns the folder.
+
+    Tensors are fetched one at a time (`iter_hf_state`) and each shard is written as soon as it
+    is full, so host memory holds at most one shard (5 GiB by default), not the model."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_state_dict(cfg, params)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32"), indent=2) + "\n")
     gen = {
         k: v
@@ -360,28 +362,38 @@ def save_hf(
         if v is not None
     }
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, x in tensors.items():
-        if shards[-1] and size + x.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = x
-        size += x.nbytes
     for old in folder.glob("model*.safetensors"):
         old.unlink()  # stale shards from an earlier save would be loaded too
+    meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
+    # Shards are written under temporary names (not *.safetensors, so a reader never takes a
+    # half-saved folder's shards) and renamed once their count is known.
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush(shard: dict[str, np.ndarray]) -> None:
+        path = folder / f"model.partial-{len(written):05d}"
+        save_file(shard, str(path), metadata=meta)
+        written.append((path, list(shard)))
+
+    for name, x in iter_hf_state(cfg, params):
+        if shard and size + x.nbytes > max_shard_bytes:
+            flush(shard)
+            shard, size = {}, 0
+        shard[name] = x
+        size += x.nbytes
+        total += x.nbytes
+    flush(shard)
     index_path = folder / "model.safetensors.index.json"
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
+    if len(written) == 1:
+        written[0][0].rename(folder / "model.safetensors")
         index_path.unlink(missing_ok=True)
     else:
         weight_map = {}
-        for k, shard in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata=meta)
-            weight_map.update(dict.fromkeys(shard, fname))
-        total = sum(x.nbytes for x in tensors.values())
+        for k, (path, names) in enumerate(written):
+            fname = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+            path.rename(folder / fname)
+            weight_map.update(dict.fromkeys(names, fname))
         index_path.write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
