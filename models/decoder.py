@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from models import fp8
 from models.config import ModelConfig, RematPolicy
 
 DotGeneral = Callable[..., Array]
@@ -307,6 +308,8 @@ class Decoder(nnx.Module):
             def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
                 return attend_at(i, q, k, v, c)
 
+            # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
+            params_i = fp8.dense_weights(params_i)
             return nnx.merge(layer_def, params_i)(x, cos, sin, attend, carry, dot_general)
 
         if remat != "none":

@@ -153,6 +153,7 @@ def from_hf_state_dict(
     *,
     source: str | Mapping[str, str] = "state dict",
     shardings: Any = None,
+    keep_dtype: bool = False,
 ) -> Params:
     """{HF name: array} -> params (`cfg.param_dtype`, layers stacked [L, ...]). Missing,
     unexpected or mis-shaped tensors raise a ValueError naming the tensor, the expected and
@@ -162,6 +163,7 @@ def from_hf_state_dict(
     `shardings`: None (default device), or a pytree like the params of `jax.sharding.Sharding`s
     (e.g. `models.sharding.param_shardings`): each array is then assembled shard by shard
     (`jax.make_array_from_callback`), so no device ever holds an unsharded copy.
+    `keep_dtype`: keep each tensor's own dtype (bf16, FP8 codes) instead of `cfg.param_dtype`.
     """
     _, abstract = abstract_model(cfg)
     pure = nnx.to_pure_dict(abstract)
@@ -198,7 +200,8 @@ def from_hf_state_dict(
     for path, rows in by_path.items():
         leaf = _get(pure, path)
         sharding = None if pure_shardings is None else _get(pure_shardings, path)
-        _set(pure, path, _assemble(rows, tensors, leaf.shape, cfg.param_dtype, sharding))
+        dtype = np.asarray(tensors[rows[0].name]).dtype if keep_dtype else cfg.param_dtype
+        _set(pure, path, _assemble(rows, tensors, leaf.shape, dtype, sharding))
     nnx.replace_by_pure_dict(abstract, pure)
     return abstract
 
@@ -211,12 +214,12 @@ def _assemble(
     sharding: Any,
 ) -> jax.Array:
     """One param from its HF tensor(s): transposed back, stacked over layers when `rows` are the
-    L layers of a stacked param, cast to `dtype` (via f32, exactly), placed by `sharding`."""
+    L layers of a stacked param, cast to `dtype` (via f32), placed by `sharding`."""
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         # The [index] block of the param, built from only the HF tensors it touches.
         def ours(row: HFTensor) -> np.ndarray:
-            x = np.asarray(tensors[row.name]).astype(np.float32)
+            x = np.asarray(tensors[row.name])
             return x.T if row.transposed else x
 
         if rows[0].layer is None:
@@ -224,7 +227,9 @@ def _assemble(
         else:
             layer_ids = range(len(rows))[index[0]] if index else range(len(rows))
             x = np.stack([ours(rows[i])[index[1:]] for i in layer_ids])
-        return x.astype(jnp.dtype(dtype))  # f32 -> bf16 rounds to nearest even, as jax does
+        # Via f32 (exact from any float format); f32 -> bf16 rounds to nearest even, as jax.
+        same = x.dtype == jnp.dtype(dtype)
+        return x if same else x.astype(np.float32).astype(jnp.dtype(dtype))
 
     full = tuple(slice(None) for _ in shape)
     if sharding is None:

@@ -28,8 +28,10 @@ The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server r
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
 embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
 
-How FP8 exports are consumed: `dense_hf_state` dequantizes each linear to f32, `w = q * s`,
-and the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
+How exports are held and consumed: `served_params` keeps every tensor as exported (bf16
+stays bf16; an FP8 linear stays e4m3 codes + f32 block scales, 1 byte per weight), and the
+model widens them where it uses them, dequantizing an FP8 linear to f32, `w = q * s`, one
+layer at a time inside its layer scan; the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
 re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged
 and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
 Measured against the trainer's own recipe on the f32 masters (tiny model, N(0, 0.02) weights,
@@ -73,29 +75,48 @@ def _default_export_format(recipe: Recipe) -> str:
     return "fp8" if block_fp8 else "fp32"
 
 
-def dense_hf_state(
-    tensors: Mapping[str, np.ndarray], quantization_config: Mapping[str, Any] | None
-) -> dict[str, np.ndarray]:
-    """HF tensors of an export as float32: FP8 `weight` + `weight_scale_inv` pairs become
-    `w = q * s` per block (`models.fp8.dequantize`, the block size from `quantization_config`),
-    bf16 / fp32 tensors are widened exactly. The recipe re-quantizes at compute time."""
-    out: dict[str, np.ndarray] = {}
+def served_params(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    quantization_config: Mapping[str, Any] | None,
+) -> Any:
+    """The params the engine computes with, from the HF tensors of an export, kept compact:
+    every tensor in its exported dtype (bf16 stays bf16), and each FP8 `weight` +
+    `weight_scale_inv` pair as a `models.fp8.StoredFP8Weight` (e4m3 codes [L, in, out] and f32
+    block scales [L, in/B, out/B], B from `quantization_config`), which the model expands to
+    w = q * s one layer at a time inside its layer scan. The values the model computes with
+    are those of the f32 widening, so compact and dense give the same logits bit for bit."""
+    from models.hf_io import from_hf_state_dict, hf_name_map
+
+    scale_suffix = ".weight_scale_inv"
+    scales = {n: x for n, x in tensors.items() if n.endswith(scale_suffix)}
     block = (quantization_config or {}).get("weight_block_size")
-    for name, arr in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+    if scales and not block:
+        raise RolloutError(
+            f"embedded: export holds {sorted(scales)[0]} but its manifest has no "
+            "quantization_config.weight_block_size; re-export with fmt='fp8'"
+        )
+    plain = {n: x for n, x in tensors.items() if n not in scales}
+    params = from_hf_state_dict(cfg, plain, source="export", keep_dtype=True)
+    rows_by_path: dict[tuple[str, ...], list[Any]] = {}
+    for row in hf_name_map(cfg):
+        rows_by_path.setdefault(row.path, []).append(row)
+    for path, rows in rows_by_path.items():
+        names = [r.name.removesuffix(".weight") + scale_suffix for r in rows]
+        if not any(n in scales for n in names):
             continue
-        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
-        if scale_name in tensors:
-            if not block:
-                raise RolloutError(
-                    f"embedded: export holds {scale_name} but its manifest has no "
-                    "quantization_config.weight_block_size; re-export with fmt='fp8'"
-                )
-            w = fp8.dequantize(jnp.asarray(arr), jnp.asarray(tensors[scale_name]), tuple(block))
-            out[name] = np.asarray(w, np.float32)
-        else:
-            out[name] = np.asarray(arr, np.float32)
-    return out
+        missing = [n for n in names if n not in scales]
+        if missing or not all(r.transposed for r in rows):
+            raise RolloutError(f"embedded: export lacks FP8 scales {missing[:3]} of {path}")
+        # HF [out, in] blocks -> our [in, out] kernel: the scale grid transposes with it.
+        s = np.stack([np.asarray(scales[n], np.float32).T for n in names])
+        if rows[0].layer is None:
+            s = s[0]
+        node = params
+        for key in path:
+            node = node[key]
+        node.set_value(fp8.StoredFP8Weight(node.get_value(), jnp.asarray(s), tuple(block)))
+    return params
 
 
 class EmbeddedBackend(RolloutBackend):
@@ -349,7 +370,6 @@ class EmbeddedBackend(RolloutBackend):
         """Installs the weights of one export folder, verified against its manifest (and the
         expected version / manifest hash when given); `push_weights` and the server's
         `/update_weights` route both end here. Labels them `version` when given."""
-        from models.hf_io import from_hf_state_dict
         from rollout_bridge.weight_files import load_export
 
         self._check_open()
@@ -359,9 +379,7 @@ class EmbeddedBackend(RolloutBackend):
             expected_version=version,
             expected_manifest_sha256=manifest_sha256,
         )
-        dense = dense_hf_state(tensors, manifest.get("quantization_config"))
-        params = from_hf_state_dict(self.cfg, dense)
-        params = jax.tree.map(jnp.asarray, params)
+        params = served_params(self.cfg, tensors, manifest.get("quantization_config"))
         with self._lock:
             self.params = params
             if version is not None:

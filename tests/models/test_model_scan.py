@@ -41,7 +41,8 @@ def unrolled_logits(graphdef, params, tokens, mask):
     return jnp.einsum("btd,dv->btv", h, model.head_kernel(), preferred_element_type=jnp.float32)
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3", "tiny_llama"])
+# qwen2: qkv biases and a tied head; qwen3: q/k norms (llama adds nothing the scan touches).
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
 def test_scan_equals_per_layer_loop(name):
     cfg, _, params = tiny(name)
     cfg = cfg.replace(num_layers=3, attention="reference")
