@@ -125,6 +125,11 @@ def _pad_axis1(x: Array, n: int, value: float | bool = 0) -> Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
+def _slices(xs: tuple[Array, ...], start: Array, size: int, *, axis: int) -> tuple[Array, ...]:
+    """x[start : start + size] along `axis` for each x (one block of each operand)."""
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis) for x in xs)
+
+
 def _block_scores(
     q_i: Array, k_j: Array, km_j: Array, q_start: Array, k_start: Array
 ) -> tuple[Array, Array]:
@@ -159,9 +164,7 @@ def _chunked_forward(
         def k_block(j: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             m, denom, acc = carry
             k_start = j * ck
-            k_j = jax.lax.dynamic_slice_in_dim(kp, k_start, ck, axis=1)
-            v_j = jax.lax.dynamic_slice_in_dim(vp, k_start, ck, axis=1)
-            km_j = jax.lax.dynamic_slice_in_dim(kmp, k_start, ck, axis=1)
+            k_j, v_j, km_j = _slices((kp, vp, kmp), k_start, ck, axis=1)
             s, _ = _block_scores(q_i, k_j, km_j, q_start, k_start)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
@@ -222,17 +225,13 @@ def _chunked_bwd(cq, ck, res, dout):
     def k_block(j: Array, grads: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
         dq, dk, dv = grads
         k_start = j * ck
-        k_j = jax.lax.dynamic_slice_in_dim(kp, k_start, ck, axis=1)
-        v_j = jax.lax.dynamic_slice_in_dim(vp, k_start, ck, axis=1)
-        km_j = jax.lax.dynamic_slice_in_dim(kmp, k_start, ck, axis=1)
+        k_j, v_j, km_j = _slices((kp, vp, kmp), k_start, ck, axis=1)
 
         def q_block(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             dq, dk_j, dv_j = carry
             q_start = i * cq
-            q_i = jax.lax.dynamic_slice_in_dim(qg, q_start, cq, axis=1)
-            do_i = jax.lax.dynamic_slice_in_dim(dog, q_start, cq, axis=1)
-            lse_i = jax.lax.dynamic_slice_in_dim(lse, q_start, cq, axis=3)
-            delta_i = jax.lax.dynamic_slice_in_dim(delta, q_start, cq, axis=3)
+            q_i, do_i = _slices((qg, dog), q_start, cq, axis=1)
+            lse_i, delta_i = _slices((lse, delta), q_start, cq, axis=3)
             s, allowed = _block_scores(q_i, k_j, km_j, q_start, k_start)
             p = jnp.where(allowed, jnp.exp(s - lse_i[..., None]), 0.0)
             dv_j = dv_j + jnp.einsum(

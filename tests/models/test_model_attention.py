@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr_walk import max_intermediate_size
 from _model_testlib import forward, left_padded_batch, tiny
 
 from models import fp8
@@ -81,20 +82,6 @@ def test_chunked_bf16_is_close_to_reference():
     np.testing.assert_allclose(out[real], ref[real], atol=2e-2, rtol=0)
 
 
-def _max_intermediate(jaxpr) -> int:
-    """Elements of the largest array any equation (sub-jaxprs included) makes."""
-    best = 0
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            best = max(best, int(np.prod(getattr(var.aval, "shape", ()))))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    best = max(best, _max_intermediate(inner))
-    return best
-
-
 def test_chunked_never_builds_t_by_t_forward_or_backward():
     b, t, h, kh, e, c = 1, 512, 4, 2, 16, 64
     q, k, v = _qkv(b, t, h, kh, e)
@@ -103,7 +90,9 @@ def test_chunked_never_builds_t_by_t_forward_or_backward():
     def loss(q, k, v):
         return jnp.sum(chunked_attention(q, k, v, mask, q_chunk=c, k_chunk=c) ** 2)
 
-    biggest = _max_intermediate(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v).jaxpr)
+    biggest = max_intermediate_size(
+        jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v).jaxpr
+    )
     assert biggest <= max(b * h * c * c, b * t * h * e), biggest  # a block, or an output
     assert biggest < b * h * t * t // 16
 

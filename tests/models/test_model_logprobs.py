@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _jaxpr_walk import max_intermediate_size
 from _model_testlib import forward, left_padded_batch, log_softmax64, tiny
 
 from models import fp8
@@ -84,20 +85,6 @@ class TokenLogprobsTest(chex.TestCase):
         chex.assert_trees_all_close(g_chunked, g_naive, atol=1e-6, rtol=1e-5)
 
 
-def _max_intermediate_size(jaxpr) -> int:
-    """Largest array any equation of a jaxpr (and its sub-jaxprs: scan, remat, pjit) makes."""
-    best = 0
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            best = max(best, int(np.prod(getattr(v.aval, "shape", ()))))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    best = max(best, _max_intermediate_size(inner))
-    return best
-
-
 def test_no_full_logits_block_in_forward_or_backward():
     """With a vocabulary much wider than the model, nothing of size B*T*V is ever built."""
     cfg, _, _ = tiny("tiny_qwen3")
@@ -111,5 +98,5 @@ def test_no_full_logits_block_in_forward_or_backward():
         return F.token_logprobs(graphdef, p, tokens, mask, recipe=fp8.BF16, chunk_size=chunk).sum()
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr
-    biggest = _max_intermediate_size(jaxpr)
+    biggest = max_intermediate_size(jaxpr)
     assert biggest < b * t * cfg.vocab_size // 2

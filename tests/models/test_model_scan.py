@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _jaxpr_walk import all_eqns
 from _model_testlib import left_padded_batch, tiny
 from flax import nnx
 
@@ -75,19 +76,6 @@ def test_layers_are_stacked_and_distinct():
     assert not np.array_equal(q[0], q[1])  # each layer has its own random init
 
 
-def _n_eqns(jaxpr, names) -> int:
-    """Equations named in `names` anywhere in a jaxpr (scan / remat / pjit bodies included)."""
-    n = 0
-    for eqn in jaxpr.eqns:
-        n += eqn.primitive.name in names
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    n += _n_eqns(inner, names)
-    return n
-
-
 @pytest.mark.parametrize("policy", ["full", "save_dots"])
 def test_remat_policies_give_the_same_loss_and_gradients(policy):
     cfg, graphdef, params = tiny("tiny_qwen3")
@@ -99,7 +87,7 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
 
     def n_remat(g) -> int:
         jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, g).jaxpr
-        return _n_eqns(jaxpr, ("remat2", "checkpoint", "remat"))
+        return sum(e.primitive.name in ("remat2", "checkpoint", "remat") for e in all_eqns(jaxpr))
 
     # The logprob chunks carry one checkpoint of their own; the layer scan adds one (not L).
     assert n_remat(graphdef_remat) == n_remat(graphdef) + 1
