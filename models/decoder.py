@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from models import fp8
 from models.config import ModelConfig, RematPolicy
+from models.sharding import constrain_batch
 
 DotGeneral = Callable[..., Array]
 # The layer body's `jax.checkpoint` policy: "full" saves nothing (recomputes the whole layer in
@@ -301,7 +302,7 @@ class Decoder(nnx.Module):
         if remat != "none" and carry is not None:
             raise ValueError(f"remat={remat!r} with a carry (decoding): decode with remat='none'")
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
-        x = self.model.embed_tokens(tokens).astype(cfg.compute_dtype)
+        x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
         layer_def, layer_params = nnx.split(self.model.layers)
 
         def layer(params_i: nnx.State, x: Array, carry: Any, i: Array) -> tuple[Array, Any]:
@@ -310,7 +311,8 @@ class Decoder(nnx.Module):
 
             # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
             params_i = fp8.dense_weights(params_i)
-            return nnx.merge(layer_def, params_i)(x, cos, sin, attend, carry, dot_general)
+            x, carry = nnx.merge(layer_def, params_i)(x, cos, sin, attend, carry, dot_general)
+            return constrain_batch(x), carry
 
         if remat != "none":
             # prevent_cse=False: inside a scan CSE cannot undo the recomputation (jax docs).

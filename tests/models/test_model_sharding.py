@@ -1,5 +1,6 @@
 """Partition specs of the params: the tunix / Megatron split, valid specs, divisibility
-fallback, and an HF load placed straight into its shards (8 forced CPU devices, subprocess)."""
+fallback; an HF load placed straight into its shards and the forward under the mesh (batch
+constraint on the residual stream) equal to one device (8 forced CPU devices, subprocess)."""
 
 from __future__ import annotations
 
@@ -91,12 +92,30 @@ _SHARDED_LOAD = textwrap.dedent(
     assert list(back) == list(sd)
     for k in sd:
         np.testing.assert_array_equal(back[k], sd[k])
+
+    # Under the mesh context the residual stream is constrained to the batch axes (fsdp here),
+    # and the sharded forward equals the single-device one.
+    import jax.numpy as jnp
+    from models import fp8
+    cfg32 = cfg.replace(compute_dtype=jnp.float32)
+    graphdef, _ = F.abstract_model(cfg32)
+    sharded = from_hf_state_dict(cfg32, sd, shardings=param_shardings(cfg32, abstract, mesh))
+    single = from_hf_state_dict(cfg32, sd)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(1, 500, (8, 12)), jnp.int32)
+    mask = jnp.ones_like(tokens).at[:, :3].set(0)
+    fwd = jax.jit(lambda p, t, m: F.forward(graphdef, p, t, m, recipe=fp8.BF16))
+    assert "sharding_constraint" not in str(jax.make_jaxpr(fwd)(single, tokens, mask))
+    ref = fwd(single, tokens, mask)
+    with jax.set_mesh(mesh):
+        assert "sharding_constraint" in str(jax.make_jaxpr(fwd.__wrapped__)(sharded, tokens, mask))
+        out = jax.jit(fwd.__wrapped__)(sharded, tokens, mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
     print("ok")
     """
 )
 
 
-def test_hf_load_into_shardings_is_bit_exact_on_8_devices():
+def test_hf_load_into_shardings_and_sharded_forward_on_8_devices():
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
