@@ -11,7 +11,7 @@ XLA_FLAGS must be set before jax starts, so the multi-device work runs in fresh 
   order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3.
 * the trainer end to end (tiny config) on a fsdp=4 x tensor=2 mesh with 2 micro-batches per
   mini-batch: a run stopped after step 2 and resumed equals the uninterrupted run exactly,
-  and its first two steps match the single-device run up to f32 rounding.
+  and its first two steps match the single-device run up to FP8 rounding flips.
 """
 
 from __future__ import annotations
@@ -102,8 +102,11 @@ def test_trainer_sharded_micro_batched_resume_exact(
     assert pa.keys() == pb.keys()
     for k in pa:
         assert (pa[k] == pb[k]).all(), k
-    # The same run on one device (in-process): the same math up to f32 summation order. Two
-    # steps: later rollouts sample from weights that differ by rounding and may diverge.
+    # The same run on one device (in-process): the same math up to summation order. The tiny
+    # config trains in FP8 (block recipe), where a split matmul's f32 order can flip an FP8
+    # rounding: measured 6.6e-4 relative on step 2's grad norm (sharded_check measures 4e-4
+    # on params); hence 5e-3. Two steps: later rollouts sample from weights that differ by
+    # rounding and may diverge.
     run(load_config(TINY, [*overrides, f"run_dir={tmp_path / 'one'}", "train.stop_after=2"]))
     one = read_metrics(tmp_path / "one")
     assert [r["step"] for r in one] == [0, 1, 2]
@@ -111,4 +114,4 @@ def test_trainer_sharded_micro_batched_resume_exact(
         for k, va in ra.items():
             if k.startswith(TIMING_PREFIXES) or va is None:
                 continue
-            assert abs(va - rb[k]) <= 1e-4 * max(1.0, abs(va)), (ra["step"], k, va, rb[k])
+            assert abs(va - rb[k]) <= 5e-3 * max(1.0, abs(va)), (ra["step"], k, va, rb[k])
