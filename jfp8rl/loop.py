@@ -47,7 +47,7 @@ from jfp8rl.rollout import RolloutBatch, RolloutSettings, collect, evaluate
 from jfp8rl.step import OptimSettings, StepFns, StepSettings, default_settings, make_step_fns
 from losses import calibrated as cal
 from losses.registry import get_algorithm
-from models.hf_io import load_hf, save_hf, to_hf_state_dict
+from models.hf_io import iter_hf_state, load_hf, save_hf
 from models.tokenizer import eos_token_id, load_tokenizer
 from rollout_bridge.backend import RolloutBackend, RolloutError
 
@@ -303,7 +303,9 @@ def stage_update(
 def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
     """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
     t0 = time.perf_counter()
-    t.backend.push_weights(to_hf_state_dict(t.policy.cfg, state["params"]), version(step))
+    # One tensor at a time (a layer slice fetched from the devices per tensor): the host never
+    # holds a full f32 copy of the model.
+    t.backend.push_weights(iter_hf_state(t.policy.cfg, state["params"]), version(step))
     return time.perf_counter() - t0
 
 
