@@ -58,7 +58,13 @@ from models import fp8
 from models.config import ModelConfig
 from models.fp8 import Recipe, get_recipe
 from rollout_bridge import sampling as smp
-from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.backend import (
+    Completion,
+    HFTensors,
+    RolloutBackend,
+    RolloutError,
+    SamplingParams,
+)
 from rollout_bridge.engine_jit import generate_rows, score_logprobs, score_ranks
 from rollout_bridge.weight_files import default_root
 
@@ -125,7 +131,9 @@ class EmbeddedBackend(RolloutBackend):
     Args:
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
       graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
-        params are copied, so the caller may donate or delete its own buffers.
+        params are copied, so the caller may donate or delete its own buffers. params=None:
+        no weights until the first `push_weights` / `load_export_dir` (which then hold only
+        the compact export, never an f32 copy); generate / score refuse until then.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
       eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
@@ -145,7 +153,7 @@ class EmbeddedBackend(RolloutBackend):
         self,
         cfg: ModelConfig,
         graphdef: Any,
-        params: Any,
+        params: Any | None,
         *,
         recipe: str | Recipe = "fp8_block",
         eos_id: int | None,
@@ -158,8 +166,8 @@ class EmbeddedBackend(RolloutBackend):
         self.graphdef = graphdef
         # Own buffers: the trainer donates its train-state params to its update, and a
         # `device_put` to the same placement returns the same buffers, so holding the caller's
-        # arrays could leave the engine with deleted ones.
-        self.params = jax.tree.map(jnp.copy, params)
+        # arrays could leave the engine with deleted ones. None: no weights until a push.
+        self.params = None if params is None else jax.tree.map(jnp.copy, params)
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.eos_id = eos_id
         self.max_len = int(max_len or cfg.max_position_embeddings)
@@ -203,7 +211,7 @@ class EmbeddedBackend(RolloutBackend):
     ) -> list[Completion]:
         """All prompts x n samples in one jitted loop; completions prompt-major."""
         sp = sampling
-        self._check_open()
+        self._check_weights()
         prompts = [tuple(int(t) for t in p) for p in prompts]
         if not prompts:
             return []
@@ -329,7 +337,7 @@ class EmbeddedBackend(RolloutBackend):
         self, sequences: Sequence[Sequence[int]]
     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Right-padded, bucketed (tokens, mask) and the true lengths."""
-        self._check_open()
+        self._check_weights()
         seqs = [tuple(int(t) for t in s) for s in sequences]
         for i, s in enumerate(seqs):
             if not s or len(s) > self.max_len:
@@ -348,7 +356,7 @@ class EmbeddedBackend(RolloutBackend):
             tokens[r, : len(s)], mask[r, : len(s)] = s, 1
         return tokens, mask, [len(s) for s in seqs]
 
-    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+    def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """Exports `hf_state` in `self.export_format` to the shared-memory export root, loads
         it back with the manifest verified, and installs it (the path an external server's
         weights take)."""
@@ -407,6 +415,13 @@ class EmbeddedBackend(RolloutBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise RolloutError("embedded: the backend was closed; create a new EmbeddedBackend")
+
+    def _check_weights(self) -> None:
+        self._check_open()
+        if self.params is None:
+            raise RolloutError(
+                "embedded: no weights yet (built with params=None); call push_weights first"
+            )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]

@@ -224,6 +224,25 @@ def test_engine_owns_its_weights(model, engine):
     own.close()
 
 
+def test_engine_without_weights_until_a_streamed_push(model, tmp_path):
+    """params=None: refused until the first push; a push may stream (name, array) pairs
+    (`iter_hf_state`), and then scores like the engine built with those weights (fp32 export)."""
+    from models.hf_io import iter_hf_state
+
+    cfg, graphdef, params, _ = model
+    eng = EmbeddedBackend(
+        cfg, graphdef, None, eos_id=None, export_root=tmp_path, export_format="fp32"
+    )
+    with pytest.raises(RolloutError, match="no weights yet.*push_weights"):
+        eng.score([[1, 2, 3]])
+    eng.push_weights(iter_hf_state(cfg, params), "v1")
+    ref = EmbeddedBackend(cfg, graphdef, params, eos_id=None)
+    seqs = [[1, 2, 3, 4, 5], [9]]
+    for a, b in zip(eng.score(seqs), ref.score(seqs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert eng.weight_version() == "v1"
+
+
 def test_errors_name_the_problem(engine):
     with pytest.raises(RolloutError, match="max_len"):
         engine.generate([[1] * 250], SamplingParams(max_tokens=10))
