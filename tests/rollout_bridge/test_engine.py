@@ -341,6 +341,12 @@ def test_fp8_export_round_trip(tmp_path):
     dense_eng = EmbeddedBackend(cfg, graphdef, params, eos_id=EOS)
     dense_eng.params = served_params(cfg, widened, manifest["quantization_config"])
     np.testing.assert_array_equal(np.stack(dense_eng.score(seqs)), np.stack(eng.score(seqs)))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)  # prefill + decode on FP8 codes
+    for a, b in zip(
+        eng.generate(PROMPTS, greedy), dense_eng.generate(PROMPTS, greedy), strict=True
+    ):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
 def test_default_export_folder_keeps_one_version_and_close_removes_it(model):
