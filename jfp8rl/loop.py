@@ -111,13 +111,15 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
 
 
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
-    """The configured rollout backend, holding the base policy's weights."""
+    """The configured rollout backend; it serves weights from the first `stage_sync` on."""
     r = cfg.rollout
     if r.backend == "embedded":
         from rollout_bridge.engine import EmbeddedBackend
 
+        # No weights at construction (an f32 copy of the model): the run's first sync pushes
+        # the weights it serves (compact FP8), before any sampling.
         return EmbeddedBackend(
-            policy.cfg, policy.graphdef, policy.params,
+            policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id,
             weight_version="base", export_format=r.export_format or None,
         )  # fmt: skip
