@@ -59,13 +59,30 @@ class Checkpointer:
         """(state, meta) of checkpoint `step`; `like` is a state pytree of the same structure
         (arrays or `jax.ShapeDtypeStruct`s) giving shapes, dtypes and shardings."""
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
+        try:
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(self._layout_hint(step, e)) from e
         return out["state"], dict(out["meta"])
+
+    def _layout_hint(self, step: int, err: Exception) -> str:
+        """Why a checkpoint does not match the state: names the pre-stacking layout if so."""
+        from models.layout import has_per_layer_layers
+
+        raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        where = f"checkpoint {self.directory}/{step}"
+        if has_per_layer_layers(raw["state"]):
+            return (
+                f"{where} holds per-layer params (model.layers.0, 1, ...: the layout before "
+                "the layers were stacked); convert its state with "
+                "models.layout.stack_per_layer_layers, or start a new run_dir"
+            )
+        return f"{where} does not match this run's state (model or optimizer changed?): {err}"
 
     def close(self) -> None:
         self.manager.close()

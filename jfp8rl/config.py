@@ -27,6 +27,12 @@ ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo")
 RECIPES = ("bf16", "fp8_tensor", "fp8_row", "fp8_block")
 
 
+REMOVED_NUM_DEVICES = (
+    "train.num_devices was replaced by train.mesh: {data, fsdp, tensor}; for N data-parallel "
+    "devices write train.mesh.data=N (or train.mesh.fsdp=N to shard params and optimizer state)"
+)
+
+
 class ConfigError(ValueError):
     """A run configuration is invalid; the message names the key and, if known, the file."""
 
@@ -51,9 +57,19 @@ class ModelConfig:
     preset: str = "tiny_arith"
     # Activation / matmul-input dtype ("bfloat16" as in the paper; "float32" is faster on CPU).
     compute_dtype: str = "bfloat16"
+    # Decoder-layer rematerialisation in the backward pass: "none" keeps every activation,
+    # "full" recomputes each layer (long sequences), "save_dots" keeps the matmul outputs.
+    remat: str = "none"
+    # Self-attention (models.attention): "auto" (cuDNN flash on GPU, chunked elsewhere),
+    # "chunked" (blockwise online softmax, memory linear in T), "cudnn", "reference" (T x T).
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("model", "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
+        _check_choice("model", "remat", self.remat, ("none", "full", "save_dots"))
+        _check_choice(
+            "model", "attention", self.attention, ("auto", "reference", "chunked", "cudnn")
+        )
 
 
 @dataclasses.dataclass
@@ -259,6 +275,26 @@ class CalibrationConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    # Devices per axis of the (data, fsdp, tensor) mesh (jfp8rl.mesh); one may be -1 = the
+    # remaining devices. data: params replicated, samples split; fsdp: params and optimizer
+    # state sharded (models.sharding), samples split; tensor: attention/MLP projections split.
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, v in sizes.items():
+            if v == 0 or v < -1:
+                raise ConfigError(f"train.mesh.{name}={v} must be a positive int or -1 (the rest)")
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ConfigError(
+                f"train.mesh={sizes}: at most one axis may be -1 (the remaining devices)"
+            )
+
+
+@dataclasses.dataclass
 class TrainConfig:
     # FP8 recipe of the trainer's forward/backward (models.fp8.get_recipe names).
     recipe: str = "fp8_block"
@@ -266,6 +302,10 @@ class TrainConfig:
     ppo_epochs: int = 1
     # Mini-batches per PPO epoch (each one optimizer update); must divide the sample count.
     mini_batches: int = 4
+    # Sequences per forward/backward (gradients accumulated over a mini-batch's micro-batches
+    # in one program, `prepare` runs micro-batch by micro-batch); 0 = the whole mini-batch.
+    # Must divide the mini-batch and be a multiple of train.mesh data x fsdp.
+    micro_batch_size: int = 0
     seed: int = 0
     # Greedy accuracy on the eval set every `eval_every` steps (0 = only before and after).
     eval_every: int = 20
@@ -275,18 +315,17 @@ class TrainConfig:
     stop_after: int = 0
     # JAX persistent compilation cache folder (reruns skip compiling); empty = off.
     jax_cache_dir: str = ""
-    # Devices of the `data` mesh axis (params replicated, samples split); mini-batches must
-    # divide evenly. 1 = single device.
-    num_devices: int = 1
+    # The device mesh; the default is a single device.
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
     def __post_init__(self) -> None:
         _check_choice("train", "recipe", self.recipe, RECIPES)
         _check_positive("train", "steps", self.steps)
         _check_positive("train", "ppo_epochs", self.ppo_epochs)
         _check_positive("train", "mini_batches", self.mini_batches)
+        _check_positive("train", "micro_batch_size", self.micro_batch_size, allow_zero=True)
         _check_positive("train", "eval_every", self.eval_every, allow_zero=True)
         _check_positive("train", "max_nonfinite", self.max_nonfinite)
-        _check_positive("train", "num_devices", self.num_devices)
 
 
 @dataclasses.dataclass
@@ -298,12 +337,14 @@ class OptimConfig:
     grad_clip: float = 1.0
     b1: float = 0.9
     b2: float = 0.999
+    eps: float = 1e-8
 
     def __post_init__(self) -> None:
         _check_positive("optim", "lr", self.lr)
         _check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
         _check_positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
         _check_positive("optim", "grad_clip", self.grad_clip)
+        _check_positive("optim", "eps", self.eps)
 
 
 @dataclasses.dataclass
@@ -381,12 +422,33 @@ class Config:
                 f"train.mini_batches={self.train.mini_batches} must divide "
                 f"data.batch_size * rollout.n = {samples}"
             )
-        if (samples // self.train.mini_batches) % self.train.num_devices:
-            raise ConfigError(
-                f"train.num_devices={self.train.num_devices} must divide the mini-batch size "
-                f"{samples // self.train.mini_batches} (data.batch_size * rollout.n / "
-                "train.mini_batches)"
-            )
+        m = self.train.mesh
+        if -1 not in (m.data, m.fsdp):
+            check_batch_split(self, m.data * m.fsdp)
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Samples per optimizer update: data.batch_size * rollout.n / train.mini_batches."""
+        return self.data.batch_size * self.rollout.n // self.train.mini_batches
+
+
+def check_batch_split(cfg: Config, batch_devices: int) -> None:
+    """Mini- and micro-batches must split evenly: micro | mini, and both are multiples of the
+    `batch_devices` = data x fsdp devices that share the samples (a -1 mesh axis is checked
+    once the mesh is built)."""
+    mini, micro = cfg.mini_batch_size, cfg.train.micro_batch_size
+    if micro and micro < mini and mini % micro:
+        raise ConfigError(
+            f"train.micro_batch_size={micro} must divide the mini-batch size {mini} "
+            "(data.batch_size * rollout.n / train.mini_batches)"
+        )
+    per_forward = micro if micro and micro < mini else mini
+    if per_forward % batch_devices:
+        what = "train.micro_batch_size" if per_forward == micro else "the mini-batch size"
+        raise ConfigError(
+            f"{what} {per_forward} must be a multiple of the {batch_devices} devices of "
+            "train.mesh data x fsdp that split the samples"
+        )
 
 
 def _describe(err: OmegaConfBaseException) -> str:
@@ -424,6 +486,8 @@ def load_config(
             except Exception as e:  # yaml.YAMLError and friends: name the file
                 raise ConfigError(f"{p}: not valid YAML: {e}") from e
             file_missing = set(OmegaConf.missing_keys(from_file))
+            if OmegaConf.select(from_file, "train.num_devices") is not None:
+                raise ConfigError(f"{p}: {REMOVED_NUM_DEVICES}")
             try:
                 base = OmegaConf.merge(base, from_file)
             except OmegaConfBaseException as e:
@@ -431,6 +495,8 @@ def load_config(
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
+            if item.split("=", 1)[0] == "train.num_devices":
+                raise ConfigError(f"command-line override {item!r}: {REMOVED_NUM_DEVICES}")
         # `key=` means the empty string (OmegaConf would read it as null).
         dotlist = [item + "''" if item.endswith("=") else item for item in overrides]
         try:

@@ -1,12 +1,19 @@
 """The RL loop (DESIGN.md section 7): `run(cfg)` drives one run folder from start or resume.
 
-Per step: B prompts -> rollout (n each, `rollout.collect`: rewards, DAPO dynamic sampling) ->
-`step.prepare` (old logprobs under the training recipe, BF16 shadow, advantages, TIS weights)
--> PPO epochs x mini-batches of `step.update` (calibrated or plain bounds, AdamW) -> push the
-new weights to the rollout backend (`models.hf_io.to_hf_state_dict`, version "step-<k>") ->
-metrics -> checkpoint every `checkpoint.every` steps. The pieces live in their own modules
-(config, data, rewards, rollout, step, checkpoint, metrics, warmstart); the CLI is
-`jfp8rl.train`.
+`setup` builds a `Trainer` (policy, rollout backend, mesh, compiled step programs, checkpoint
+manager, metrics sinks) and the sharded train state; then every step is the same sequence of
+named stages, each a function of its own:
+
+    rollout     B prompts -> n samples each (`rollout.collect`: rewards, DAPO dynamic sampling)
+    prepare     `step.prepare`: old logprobs under the training recipe (BF16 shadow on
+                calibration steps), advantages, TIS weights
+    update      PPO epochs x mini-batches of `step.update` (calibrated or plain bounds, AdamW)
+    sync        push the new weights to the rollout backend (version "step-<k>")
+    log         step metrics (+ greedy eval) to every sink
+    checkpoint  every `checkpoint.every` steps, and at the end
+
+The pieces live in their own modules (config, data, rewards, rollout, step, mesh, checkpoint,
+metrics, warmstart); the CLI is `jfp8rl.train`.
 
 Determinism: prompts come from `data.PromptStream` at the checkpointed position, rollout seeds
 and mini-batch shuffles are derived from (train.seed, step, epoch), so a resumed run repeats
@@ -32,19 +39,19 @@ import numpy as np
 
 from jfp8rl import mesh as mesh_lib
 from jfp8rl.checkpoint import Checkpointer
-from jfp8rl.config import Config, ConfigError, save_config, to_yaml
-from jfp8rl.data import PromptStream, build_datasets
+from jfp8rl.config import Config, ConfigError, check_batch_split, save_config, to_yaml
+from jfp8rl.data import Example, PromptStream, build_datasets
 from jfp8rl.eval import evaluate
 from jfp8rl.export import save_policy_folder
-from jfp8rl.metrics import MetricsLogger
-from jfp8rl.rewards import get_verifier
-from jfp8rl.rollout import RolloutSettings, collect
+from jfp8rl.metrics import MetricsLogger, read_metrics
+from jfp8rl.rewards import Verifier, get_verifier
+from jfp8rl.rollout import RolloutBatch, RolloutSettings, collect
 from jfp8rl.rollout_dump import write_rollouts
-from jfp8rl.step import OptimSettings, default_settings, make_step_fns
+from jfp8rl.step import OptimSettings, StepFns, StepSettings, default_settings, make_step_fns
 from jfp8rl.templates import PromptFormat, stop_token_ids
 from losses import calibrated as cal
 from losses.registry import get_algorithm
-from models.hf_io import load_hf, to_hf_state_dict
+from models.hf_io import iter_hf_state, load_hf
 from models.tokenizer import load_tokenizer
 from rollout_bridge.backend import RolloutBackend, RolloutError
 
@@ -55,6 +62,8 @@ CALIBRATION_ONLY = (
     "calib/bf16_clipfrac_pos_upper",
     "calib/balance_bf16",
 )
+# Batch arrays the update reads per mini-batch (rewards / lengths only feed `prepare`).
+UPDATE_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp")
 
 
 class RunStopped(RuntimeError):
@@ -73,8 +82,9 @@ class Policy:
     path: Path
 
 
-def load_policy(cfg: Config, log: Any) -> Policy:
-    """The base policy: `model.path`, or the cached warm-started tiny policy."""
+def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) -> Policy:
+    """The base policy: `model.path`, or the cached warm-started tiny policy. With `mesh`,
+    each param is loaded straight into its sharding (no full model on one device)."""
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not (path / "config.json").is_file():
@@ -95,19 +105,25 @@ def load_policy(cfg: Config, log: Any) -> Policy:
             prompt_len=cfg.data.max_prompt_tokens, answer_len=cfg.rollout.max_tokens,
             carry_noise=w.carry_noise, target_accuracy=w.target_accuracy, log=log,
         )  # fmt: skip
-    mcfg, graphdef, params = load_hf(path, compute_dtype=jnp.dtype(cfg.model.compute_dtype))
+    m = cfg.model
+    mcfg, graphdef, params = load_hf(
+        path, mesh=mesh, compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat,
+        attention=m.attention,
+    )  # fmt: skip
     tok = load_tokenizer(path)
     return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok)[0], path)
 
 
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
-    """The configured rollout backend, holding the base policy's weights."""
+    """The configured rollout backend; it serves weights from the first `stage_sync` on."""
     r = cfg.rollout
     if r.backend == "embedded":
         from rollout_bridge.engine import EmbeddedBackend
 
+        # No weights at construction (an f32 copy of the model): the run's first sync pushes
+        # the weights it serves (compact FP8), before any sampling.
         return EmbeddedBackend(
-            policy.cfg, policy.graphdef, policy.params,
+            policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id,
             weight_version="base", export_format=r.export_format or None,
         )  # fmt: skip
@@ -130,54 +146,13 @@ def _resume_hint(cfg: Config) -> str:
     return f"python -m jfp8rl.train --config {Path(cfg.run_dir) / 'config.yaml'} --resume"
 
 
-def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, Any]:
-    """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json)."""
-    t_start = time.perf_counter()
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out = stream or sys.stdout
-    console = cfg.logging.console != "none"
+def version(k: int) -> str:
+    """Weight version label of the params after step k ("step-0" = the base policy)."""
+    return f"step-{k}"
 
-    def log(msg: str) -> None:
-        if console:
-            print(msg, file=out, flush=True)
 
-    if cfg.train.jax_cache_dir:
-        jax.config.update(
-            "jax_compilation_cache_dir", str(Path(cfg.train.jax_cache_dir).absolute())
-        )
-    policy = load_policy(cfg, log)
-    train_set, eval_set = build_datasets(
-        cfg.data.task,
-        cfg.data.train_file,
-        cfg.data.eval_file,
-        cfg.data.max_digits,
-        cfg.data.eval_size,
-        prompt_key=cfg.data.prompt_key,
-        answer_key=cfg.data.answer_key,
-    )
-    fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
-    stream_ = PromptStream(train_set, cfg.data.seed)
-    verifier = get_verifier(cfg.reward.kind)
-    settings = RolloutSettings(
-        batch_size=cfg.data.batch_size, n=cfg.rollout.n,
-        max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        dynamic_sampling=cfg.rollout.dynamic_sampling, max_rounds=cfg.rollout.max_rounds,
-        overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
-        overlong_penalty=cfg.reward.overlong_penalty,
-    )  # fmt: skip
-
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
-    latest = ckpt.latest_step()
-    if resume == "require" and latest is None:
-        ckpt.close()
-        raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
-    if resume == "never" and latest is not None:
-        ckpt.close()
-        raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
-    save_config(cfg, run_dir)
-
+def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
+    """The jitted step's static settings from the config (algorithm, calibration, AdamW)."""
     a = cfg.algorithm
     algo = dataclasses.replace(
         get_algorithm(a.name),
@@ -189,230 +164,390 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
         eps_low=a.eps_low, eps_high=a.eps_high, every=c.every, ema=c.ema,
         range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule,
     )  # fmt: skip
-    n_samples = cfg.data.batch_size * cfg.rollout.n
-    updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches
-    o = cfg.optim
-    opt = OptimSettings(
-        o.lr, o.warmup_steps * updates_per_step, o.weight_decay, o.grad_clip, o.b1, o.b2
-    )
-    try:
-        mesh = mesh_lib.make_mesh(cfg.train.num_devices)
-    except ValueError as e:
-        raise ConfigError(f"train.num_devices={cfg.train.num_devices}: {e}") from e
-    fns = make_step_fns(
-        policy.graphdef,
-        default_settings(
-            algo, train_recipe=cfg.train.recipe, calibrated=a.clip == "calibrated",
-            calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
-            tis_cap=a.tis_cap, group_size=cfg.rollout.n,
-        ),
-        opt,
-        mesh,
+    s = default_settings(
+        algo, train_recipe=cfg.train.recipe, calibrated=a.clip == "calibrated",
+        calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
+        tis_cap=a.tis_cap, group_size=cfg.rollout.n,
+        micro_batch_size=cfg.train.micro_batch_size,
     )  # fmt: skip
-    optimizer = fns.optimizer
-    rep = mesh_lib.replicated(mesh)
-    params = jax.device_put(policy.params, rep)
-    # The KL reference is the base policy; a copy, since the train state's buffers are donated.
-    ref_params = jax.tree.map(jnp.copy, params) if algo.use_kl_loss else None
-    state = {
+    o = cfg.optim
+    updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches
+    opt = OptimSettings(
+        o.lr, o.warmup_steps * updates_per_step, o.weight_decay, o.grad_clip, o.b1, o.b2, o.eps
+    )
+    return s, opt
+
+
+def build_mesh(cfg: Config) -> jax.sharding.Mesh:
+    """The configured (data, fsdp, tensor) mesh; errors name `train.mesh`."""
+    m = cfg.train.mesh
+    try:
+        mesh = mesh_lib.make_mesh(m.data, m.fsdp, m.tensor)
+    except ValueError as e:
+        raise ConfigError(
+            f"train.mesh={{data: {m.data}, fsdp: {m.fsdp}, tensor: {m.tensor}}}: {e}"
+        ) from e
+    check_batch_split(cfg, mesh_lib.batch_size_divisor(mesh))
+    return mesh
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What the stages share; built once by `setup`."""
+
+    cfg: Config
+    log: Any
+    policy: Policy
+    backend: RolloutBackend
+    fns: StepFns
+    mesh: jax.sharding.Mesh
+    settings: StepSettings
+    ckpt: Checkpointer
+    metrics: MetricsLogger
+    verifier: Verifier
+    stream: PromptStream
+    eval_set: list[Example]
+    fmt: PromptFormat  # prompt / chat template and stop tokens (jfp8rl.templates)
+    rollout_settings: RolloutSettings
+    ref_params: Any  # the base policy (KL loss) or None
+
+    @property
+    def calibrated(self) -> bool:
+        return self.settings.calibrated
+
+    def is_calibration_step(self, step: int) -> bool:
+        return self.calibrated and self.settings.calib_cfg.is_calibration_step(step - 1)
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run's position: what a checkpoint's meta holds besides the state."""
+
+    step: int = 0
+    position: int = 0  # prompts drawn from the stream so far
+    nonfinite_run: int = 0  # steps in a row whose updates were all skipped
+    carried: dict[str, float] = dataclasses.field(default_factory=dict)  # CALIBRATION_ONLY
+
+
+def init_state(t: Trainer, params: Any) -> dict[str, Any]:
+    """The sharded train state (params, optimizer state, calibration state, PRNG key data)."""
+    sh = t.fns.state_shardings(cal.init_calib_state(t.settings.calib_cfg))
+    params = jax.device_put(params, sh["params"])
+    return {
         "params": params,
-        "opt_state": optimizer.init(params),
-        "calib": cal.init_calib_state(calib_cfg),
-        "rng": jax.random.key_data(jax.random.key(cfg.train.seed)),
+        # Initialised in place in its sharding: no full optimizer state on one device.
+        "opt_state": jax.jit(t.fns.optimizer.init, out_shardings=sh["opt_state"])(params),
+        "calib": jax.device_put(cal.init_calib_state(t.settings.calib_cfg), sh["calib"]),
+        "rng": jax.random.key_data(jax.random.key(t.cfg.train.seed)),
     }
-    step, position, nonfinite_run = 0, 0, 0
-    carried_init: dict[str, float] = {}
+
+
+# ---------------------------------------------------------------------------------- stages
+
+
+def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """n samples for each of the step's B prompts, with rewards; advances the data position."""
+    batch, p.position, rstats = collect(
+        t.backend, t.stream, p.position, t.fmt, t.verifier,
+        t.rollout_settings, seed=t.cfg.train.seed * 1_000_003 + step * 101,
+        version=version(step - 1),
+    )  # fmt: skip
+    return batch, rstats
+
+
+def stage_prepare(
+    t: Trainer, state: dict[str, Any], batch: RolloutBatch, calibrate: bool
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """(the per-sample arrays the update reads, on host; prepare's metrics)."""
+    host = {
+        "tokens": batch.tokens,
+        "attention_mask": batch.attention_mask,
+        "prompt_lens": batch.prompt_lens,
+        "response_mask": batch.response_mask,
+        "rollout_logp": batch.rollout_logp,
+        "rewards": batch.rewards,
+        "response_lens": batch.response_lens,
+    }
+    out, mets = t.fns.prepare(
+        state["params"], t.ref_params, mesh_lib.put_batch(host, t.mesh), calibrate
+    )
+    full = {k: host[k] for k in UPDATE_INPUTS} | {k: np.asarray(v) for k, v in out.items()}
+    return full, {k: float(v) for k, v in mets.items()}
+
+
+def stage_update(
+    t: Trainer, state: dict[str, Any], full: dict[str, np.ndarray], step: int, calibrate: bool
+) -> list[dict[str, float]]:
+    """PPO epochs x mini-batches of optimizer updates (in place on `state`); their metrics."""
+    tc = t.cfg.train
+    n_samples = full["tokens"].shape[0]
+    mb_size = n_samples // tc.mini_batches
+    updates_per_step = tc.ppo_epochs * tc.mini_batches
+    state["rng"] = jax.random.key_data(
+        jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+    )
+    upd: list[dict[str, float]] = []
+    for epoch in range(tc.ppo_epochs):
+        perm = np.random.default_rng([tc.seed, step, epoch]).permutation(n_samples)
+        for m in range(tc.mini_batches):
+            # On a calibration step every mini-batch but the very first calibrates: the first
+            # one's ratios are all 1 (on-policy) and carry no FP8 noise.
+            on_policy = epoch == 0 and m == 0  # params still equal the old params
+            calib_mb = calibrate and not (on_policy and updates_per_step > 1)
+            idx = perm[m * mb_size : (m + 1) * mb_size]
+            # Only a calibrating program reads the BF16 shadow logprobs.
+            mb = {k: v[idx] for k, v in full.items() if calib_mb or k != "old_logp_bf16"}
+            sub = {k: state[k] for k in ("params", "opt_state", "calib")}
+            new, mets = t.fns.update(sub, mesh_lib.put_batch(mb, t.mesh), calib_mb, on_policy)
+            state.update(new)
+            mets = {k: float(v) for k, v in mets.items()}
+            if not calib_mb:  # reference stats exist on calibrating mini-batches only
+                mets = {k: v for k, v in mets.items() if k not in CALIBRATION_ONLY}
+            upd.append(mets)
+    return upd
+
+
+def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
+    """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
+    t0 = time.perf_counter()
+    # One tensor at a time (a layer slice fetched from the devices per tensor): the host never
+    # holds a full f32 copy of the model.
+    t.backend.push_weights(iter_hf_state(t.policy.cfg, state["params"]), version(step))
+    return time.perf_counter() - t0
+
+
+def run_eval(t: Trainer) -> float:
+    """avg@`eval.n` accuracy (greedy at `eval.temperature` 0) of the backend's current weights
+    on the eval set."""
+    c = t.cfg
+    return evaluate(
+        t.backend, t.eval_set, t.fmt, t.verifier, n=c.eval.n, temperature=c.eval.temperature,
+        max_prompt_tokens=c.data.max_prompt_tokens, max_tokens=c.rollout.max_tokens,
+        chunk=c.data.batch_size * c.rollout.n,
+    ).avg  # fmt: skip
+
+
+def step_metrics(
+    t: Trainer,
+    p: Progress,
+    batch: RolloutBatch,
+    rstats: dict[str, float],
+    prep: dict[str, float],
+    upd: list[dict[str, float]],
+    timings: dict[str, float],
+) -> dict[str, float]:
+    """One step's record: prepare's metrics, the mean over updates, rollout stats, timings.
+    Updates `p.carried` (calibration-only stats) and `p.nonfinite_run`."""
+    out = dict(prep)
+    for k in set().union(*upd) - set(prep):  # entropy: all tokens, from prepare
+        out[k] = float(np.mean([u[k] for u in upd if k in u]))
+    # BF16 reference stats exist on calibration steps only; between calibrations the last
+    # ones stay in force, so log those (as calib/alpha is, from the state).
+    for k in CALIBRATION_ONLY:
+        if k in out:
+            p.carried[k] = out[k]
+        elif k in p.carried:
+            out[k] = p.carried[k]
+    skipped = sum(u["actor/nonfinite"] for u in upd)
+    p.nonfinite_run = p.nonfinite_run + 1 if skipped == len(upd) else 0
+    o = t.cfg.optim
+    wall = timings["step_s"]
+    out.update(
+        {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/accuracy": float(batch.correct.mean()),
+            "response_length/mean": float(batch.response_lens.mean()),
+            "response_length/clip_ratio": float(batch.truncated.mean()),
+            "actor/nonfinite_updates": float(skipped),
+            "actor/lr": float(o.lr * min(1.0, p.step / max(o.warmup_steps, 1))),
+            "data/kept_samples": float(batch.response_mask.any(axis=1).sum()),
+            **{f"timing/{k}": v for k, v in timings.items()},
+            "throughput/tokens_per_s": int(batch.attention_mask.sum()) / wall,
+            **rstats,
+        }
+    )
+    return out
+
+
+def stage_log(t: Trainer, p: Progress, record: dict[str, float]) -> None:
+    """Adds the greedy eval when due and writes the record to every sink."""
+    every, last = t.cfg.train.eval_every, t.cfg.train.steps
+    if p.step == last or (every and p.step % every == 0):
+        record["eval/accuracy"] = run_eval(t)
+    t.metrics.log(p.step, record)
+
+
+def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool = False) -> None:
+    """Saves checkpoint `p.step` when due (every `checkpoint.every` steps) or `force`d."""
+    if not (force or p.step % t.cfg.checkpoint.every == 0):
+        return
+    meta = {
+        "step": p.step,
+        "data_position": p.position,
+        "nonfinite_run": p.nonfinite_run,
+        "weight_version": version(p.step),
+        "carried": dict(p.carried),
+        "config": to_yaml(t.cfg),
+    }
+    t.ckpt.save(p.step, state, meta)
+
+
+def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
+    """One RL step, stage by stage (module docstring); advances `p` and `state` in place."""
+    p.step += 1
+    t0 = time.perf_counter()
+    batch, rstats = stage_rollout(t, p, p.step)
+    t_roll = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    calibrate = t.is_calibration_step(p.step)
+    full, prep = stage_prepare(t, state, batch, calibrate)
+    if t.cfg.logging.rollout_samples:
+        write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
+                       t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip
+    upd = stage_update(t, state, full, p.step, calibrate)
+    t_train = time.perf_counter() - t1
+    t_sync = stage_sync(t, state, p.step)
+    timings = {
+        "rollout_s": t_roll,
+        "train_s": t_train,
+        "sync_s": t_sync,
+        "step_s": time.perf_counter() - t0,
+    }
+    stage_log(t, p, step_metrics(t, p, batch, rstats, prep, upd, timings))
+    stage_checkpoint(t, state, p, force=p.step == stop_at)
+    if p.nonfinite_run >= t.cfg.train.max_nonfinite:
+        stage_checkpoint(t, state, p, force=True)
+        raise RunStopped(
+            f"{p.nonfinite_run} steps in a row had only non-finite losses/gradients "
+            f"(updates skipped); stopped at step {p.step} with checkpoint "
+            f"{t.ckpt.directory}/{p.step}. Lower optim.lr or check the data, then resume: "
+            + _resume_hint(t.cfg)
+        )
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def setup(
+    cfg: Config, resume: str, log: Any, out: Any
+) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
+    """Builds the trainer and its state (fresh or from the latest checkpoint)."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.train.jax_cache_dir:
+        jax.config.update(
+            "jax_compilation_cache_dir", str(Path(cfg.train.jax_cache_dir).absolute())
+        )
+    mesh = build_mesh(cfg)
+    policy = load_policy(cfg, log, mesh)
+    train_set, eval_set = build_datasets(
+        cfg.data.task, cfg.data.train_file, cfg.data.eval_file, cfg.data.max_digits,
+        cfg.data.eval_size, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+    )  # fmt: skip
+    fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
+    rollout_settings = RolloutSettings(
+        batch_size=cfg.data.batch_size, n=cfg.rollout.n,
+        max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        dynamic_sampling=cfg.rollout.dynamic_sampling, max_rounds=cfg.rollout.max_rounds,
+        overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
+        overlong_penalty=cfg.reward.overlong_penalty,
+    )  # fmt: skip
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
+    latest = ckpt.latest_step()
+    if resume == "require" and latest is None:
+        ckpt.close()
+        raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
+    if resume == "never" and latest is not None:
+        ckpt.close()
+        raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
+    save_config(cfg, run_dir)
+
+    settings, opt = step_settings(cfg)
+    layout = mesh_lib.param_layout(mesh, policy.cfg, policy.params)
+    fns = make_step_fns(policy.graphdef, settings, opt, layout)
+    t = Trainer(
+        cfg=cfg, log=log, policy=policy, backend=None, fns=fns, mesh=mesh,  # type: ignore[arg-type]
+        settings=settings, ckpt=ckpt, metrics=None, verifier=get_verifier(cfg.reward.kind),  # type: ignore[arg-type]
+        stream=PromptStream(train_set, cfg.data.seed), eval_set=eval_set, fmt=fmt,
+        rollout_settings=rollout_settings, ref_params=None,
+    )  # fmt: skip
+    state = init_state(t, policy.params)
+    if settings.algo.use_kl_loss:
+        # The KL reference is the base policy; a copy, since the train state is donated.
+        t.ref_params = jax.jit(lambda x: jax.tree.map(jnp.copy, x), out_shardings=layout.params())(
+            state["params"]
+        )
+    p = Progress()
     if latest is not None:
         state, meta = ckpt.restore(latest, state)
-        state = jax.device_put(state, rep)
-        step, position, nonfinite_run = meta["step"], meta["data_position"], meta["nonfinite_run"]
-        carried_init = dict(meta.get("carried", {}))
-        log(f"resumed from {ckpt.directory}/{latest} (step {step}, data position {position})")
-
+        p = Progress(
+            meta["step"],
+            meta["data_position"],
+            meta["nonfinite_run"],
+            dict(meta.get("carried", {})),
+        )
+        log(f"resumed from {ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
     try:
-        backend = make_backend(cfg, policy, run_dir)
+        t.backend = make_backend(cfg, policy, run_dir)
     except RolloutError as e:
         ckpt.close()
         last = latest if latest is not None else "none yet"
         raise RunStopped(f"{e}\nLast checkpoint: {last}; resume: {_resume_hint(cfg)}") from e
-    metrics = MetricsLogger(
-        run_dir, total_steps=cfg.train.steps, start_step=step,
-        tensorboard=cfg.logging.tensorboard, console=console, stream=out,
+    t.metrics = MetricsLogger(
+        run_dir, total_steps=cfg.train.steps, start_step=p.step,
+        tensorboard=cfg.logging.tensorboard, console=cfg.logging.console != "none", stream=out,
     )  # fmt: skip
+    return t, state, p, latest
+
+
+def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, Any]:
+    """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json)."""
+    t_start = time.perf_counter()
+    out = stream or sys.stdout
+    console = cfg.logging.console != "none"
+
+    def log(msg: str) -> None:
+        if console:
+            print(msg, file=out, flush=True)
+
+    t, state, p, _ = setup(cfg, resume, log, out)
+    run_dir = Path(cfg.run_dir)
     stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-
-    def version(k: int) -> str:
-        return f"step-{k}"
-
-    def push(k: int) -> float:
-        t = time.perf_counter()
-        backend.push_weights(to_hf_state_dict(policy.cfg, state["params"]), version(k))
-        return time.perf_counter() - t
-
-    def run_eval() -> float:
-        return evaluate(
-            backend, eval_set, fmt, verifier, n=cfg.eval.n, temperature=cfg.eval.temperature,
-            max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
-            chunk=cfg.data.batch_size * cfg.rollout.n,
-        ).avg  # fmt: skip
-
-    carried_now: dict[str, float] = dict(carried_init)
-
-    def save(k: int) -> None:
-        meta = {
-            "step": k,
-            "data_position": position,
-            "nonfinite_run": nonfinite_run,
-            "weight_version": version(k),
-            "carried": carried_now,
-            "config": to_yaml(cfg),
-        }
-        ckpt.save(k, state, meta)
-
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(policy.path)}
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     try:
-        push(step)
-        if step == 0:
-            acc0 = run_eval()
-            metrics.log(0, {"eval/accuracy": acc0})
+        stage_sync(t, state, p.step)
+        if p.step == 0:
+            acc0 = run_eval(t)
+            t.metrics.log(0, {"eval/accuracy": acc0})
             log(
-                f"base policy {policy.path}: greedy eval accuracy {acc0:.3f} on {len(eval_set)} prompts"
+                f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on "
+                f"{len(t.eval_set)} prompts"
             )
-            save(0)
-        rng_base = np.random.default_rng  # shuffles are seeded by (seed, step, epoch)
-        carried: dict[str, float] = dict(carried_init)
-        while step < stop_at:
-            step += 1
-            t0 = time.perf_counter()
-            batch, position, rstats = collect(
-                backend, stream_, position, fmt, verifier, settings,
-                seed=cfg.train.seed * 1_000_003 + step * 101, version=version(step - 1),
-            )  # fmt: skip
-            t_roll = time.perf_counter() - t0
-
-            t1 = time.perf_counter()
-            calib_now = a.clip == "calibrated" and calib_cfg.is_calibration_step(step - 1)
-            host = {
-                "tokens": batch.tokens,
-                "attention_mask": batch.attention_mask,
-                "prompt_lens": batch.prompt_lens,
-                "response_mask": batch.response_mask,
-                "rollout_logp": batch.rollout_logp,
-                "rewards": batch.rewards,
-                "response_lens": batch.response_lens,
-            }
-            dev = mesh_lib.put_batch(host, mesh)
-            prep = fns.prepare(state["params"], ref_params, dev)
-            step_metrics: dict[str, float] = {k: float(v) for k, v in prep.pop("metrics").items()}
-            full = {**host, **{k: np.asarray(v) for k, v in prep.items()}}
-            full.pop("rewards")
-            full.pop("response_lens")
-            if cfg.logging.rollout_samples:
-                write_rollouts(run_dir, step, batch, full["advantages"], fmt,
-                               cfg.logging.rollout_samples, cfg.rollout.n)  # fmt: skip
-            mb_size = n_samples // cfg.train.mini_batches
-            state["rng"] = jax.random.key_data(
-                jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
-            )
-            upd: list[dict[str, float]] = []
-            for epoch in range(cfg.train.ppo_epochs):
-                perm = rng_base([cfg.train.seed, step, epoch]).permutation(n_samples)
-                for m in range(cfg.train.mini_batches):
-                    # On a calibration step every mini-batch but the very first calibrates:
-                    # the first one's ratios are all 1 (on-policy) and carry no FP8 noise.
-                    first = epoch == 0 and m == 0 and updates_per_step > 1
-                    calib_mb = calib_now and not first
-                    idx = perm[m * mb_size : (m + 1) * mb_size]
-                    mb = {k: v[idx] for k, v in full.items()}
-                    sub = {k: state[k] for k in ("params", "opt_state", "calib")}
-                    on_policy = epoch == 0 and m == 0  # params still equal the old params
-                    new, mets = fns.update(sub, mesh_lib.put_batch(mb, mesh), calib_mb, on_policy)
-                    state.update(new)
-                    mets = {k: float(v) for k, v in mets.items()}
-                    if not calib_mb:  # reference stats exist on calibrating mini-batches only
-                        mets = {k: v for k, v in mets.items() if k not in CALIBRATION_ONLY}
-                    upd.append(mets)
-            t_train = time.perf_counter() - t1
-
-            keys = set().union(*upd) - set(step_metrics)  # entropy: all tokens, from prepare
-            for k in keys:
-                vals = [u[k] for u in upd if k in u]
-                step_metrics[k] = float(np.mean(vals))
-            # BF16 reference stats exist on calibration steps only; between calibrations the
-            # last ones stay in force, so log those (as calib/alpha is, from the state).
-            for k in CALIBRATION_ONLY:
-                if k in step_metrics:
-                    carried[k] = step_metrics[k]
-                elif k in carried:
-                    step_metrics[k] = carried[k]
-            skipped = sum(u["actor/nonfinite"] for u in upd)
-            nonfinite_run = nonfinite_run + 1 if skipped == len(upd) else 0
-
-            t_sync = push(step)
-            wall = time.perf_counter() - t0
-            n_tokens = int(batch.attention_mask.sum())
-            kept = batch.response_mask.any(axis=1)
-            step_metrics.update(
-                {
-                    "reward/mean": float(batch.rewards.mean()),
-                    "reward/accuracy": float(batch.correct.mean()),
-                    "response_length/mean": float(batch.response_lens.mean()),
-                    "response_length/clip_ratio": float(batch.truncated.mean()),
-                    "actor/nonfinite_updates": float(skipped),
-                    "actor/lr": float(o.lr * min(1.0, step / max(o.warmup_steps, 1))),
-                    "data/kept_samples": float(kept.sum()),
-                    "timing/rollout_s": t_roll,
-                    "timing/train_s": t_train,
-                    "timing/sync_s": t_sync,
-                    "timing/step_s": wall,
-                    "throughput/tokens_per_s": n_tokens / wall,
-                    **rstats,
-                }
-            )
-            if (
-                cfg.train.eval_every
-                and step % cfg.train.eval_every == 0
-                and step != cfg.train.steps
-            ):
-                step_metrics["eval/accuracy"] = run_eval()
-            if step == cfg.train.steps:
-                step_metrics["eval/accuracy"] = run_eval()
-            metrics.log(step, step_metrics)
-            carried_now.clear()
-            carried_now.update(carried)
-            if step % cfg.checkpoint.every == 0 or step == stop_at:
-                save(step)
-            if nonfinite_run >= cfg.train.max_nonfinite:
-                save(step)
-                raise RunStopped(
-                    f"{nonfinite_run} steps in a row had only non-finite losses/gradients "
-                    f"(updates skipped); stopped at step {step} with checkpoint "
-                    f"{ckpt.directory}/{step}. Lower optim.lr or check the data, then resume: "
-                    + _resume_hint(cfg)
-                )
+            stage_checkpoint(t, state, p, force=True)
+        while p.step < stop_at:
+            train_step(t, state, p, stop_at)
     except RolloutError as e:
-        last = ckpt.latest_step()
+        last = t.ckpt.latest_step()
         raise RunStopped(
-            f"rollout backend failed at step {step}: {e}\nLast checkpoint: "
-            f"{ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
+            f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
+            f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
             + _resume_hint(cfg)
         ) from e
     finally:
-        metrics.close()
-        backend.close()
-        ckpt.close()
+        t.metrics.close()
+        t.backend.close()
+        t.ckpt.close()
 
-    if step == cfg.train.steps and cfg.checkpoint.export_hf:
+    if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
         hf_dir = run_dir / "hf_final"
-        save_policy_folder(hf_dir, policy, state["params"])
+        save_policy_folder(hf_dir, t.policy, state["params"])
         summary["hf_final"] = str(hf_dir)
-    from jfp8rl.metrics import read_metrics
-
     recs = read_metrics(run_dir)
     evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
     summary.update(
         {
-            "steps": step,
+            "steps": p.step,
             "eval_accuracy": evals,
             "wall_s_this_invocation": time.perf_counter() - t_start,
         }
@@ -420,7 +555,7 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if evals:
         log(
-            f"done: step {step}, greedy eval accuracy {evals[0][1]:.3f} (step {evals[0][0]}) -> "
+            f"done: step {p.step}, greedy eval accuracy {evals[0][1]:.3f} (step {evals[0][0]}) -> "
             f"{evals[-1][1]:.3f} (step {evals[-1][0]}); run folder {run_dir}"
         )
     return summary

@@ -74,6 +74,17 @@ def masked_quantiles(
     return jnp.where(n > 0, vals, 0.0)
 
 
+def agg_denominator(mask: Array, agg_mode: str) -> Array:
+    """The denominator of `agg_parts` (it depends on the mask only): the token count for
+    token-mean, the count of non-empty sequences for the seq-* modes. A micro-batched caller
+    computes it once over the whole mini-batch and passes it as `agg_loss(denominator=...)`."""
+    check_choice("agg_mode", agg_mode, AGG_MODES)
+    m = as_float_mask(mask)
+    if agg_mode == "token-mean":
+        return jnp.sum(m)
+    return jnp.sum((jnp.sum(m, axis=-1) > 0).astype(jnp.float32))
+
+
 def agg_parts(
     loss_mat: Float[Array, "B T"],
     mask: Array,
@@ -81,11 +92,11 @@ def agg_parts(
     loss_scale_len: int | None = None,
 ) -> tuple[Array, Array]:
     """(numerator, denominator) of the aggregated loss; see the module docstring."""
-    check_choice("agg_mode", agg_mode, AGG_MODES)
+    den = agg_denominator(mask, agg_mode)
     m = as_float_mask(mask)
     tok = jnp.where(mask != 0, loss_mat, 0.0)
     if agg_mode == "token-mean":
-        return jnp.sum(tok), jnp.sum(m)
+        return jnp.sum(tok), den
     n_b = jnp.sum(m, axis=-1)
     valid_b = (n_b > 0).astype(jnp.float32)
     seq_sum = jnp.sum(tok, axis=-1)
@@ -98,7 +109,7 @@ def agg_parts(
         if norm <= 0:
             raise ValueError(f"argument `loss_scale_len` must be positive, got {norm}")
         seq = seq_sum / float(norm)
-    return jnp.sum(seq * valid_b), jnp.sum(valid_b)
+    return jnp.sum(seq * valid_b), den
 
 
 def agg_loss(

@@ -16,6 +16,10 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 Arch = Literal["qwen2", "qwen3", "llama"]
+RematPolicy = Literal["none", "full", "save_dots"]
+AttentionImpl = Literal["auto", "reference", "chunked", "cudnn"]
+REMAT_CHOICES: tuple[str, ...] = ("none", "full", "save_dots")
+ATTENTION_CHOICES: tuple[str, ...] = ("auto", "reference", "chunked", "cudnn")
 
 # HF class / model_type per architecture (transformers and vLLM both key on these).
 HF_ARCHITECTURES: dict[str, str] = {
@@ -52,7 +56,15 @@ class ModelConfig:
     eos_token_id: int | None = None  # written to config.json when known
     param_dtype: Any = jnp.float32  # master weights
     compute_dtype: Any = jnp.bfloat16  # activations and matmul inputs
-    remat: bool = False  # rematerialise each decoder layer in the backward pass
+    # Decoder-layer rematerialisation in the backward pass (`decoder.REMAT_POLICIES`):
+    # "none" keeps every activation, "full" recomputes the layer, "save_dots" keeps matmul outputs.
+    remat: RematPolicy = "none"
+    # Self-attention implementation (`models.attention`): "reference" builds [B, H, T, T] scores
+    # (tests); "chunked" is blockwise online softmax in plain XLA (memory linear in T); "cudnn"
+    # is cuDNN flash attention (GPU, bf16/fp16); "auto" = cudnn on GPU when it applies, else
+    # chunked. The one-token decode step always reads its cache directly ([B, H, 1, S]).
+    attention: AttentionImpl = "auto"
+    attention_chunk: int = 512  # query and key block length of "chunked" (tokens)
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCHITECTURES:
@@ -62,6 +74,14 @@ class ModelConfig:
                 f"ModelConfig: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        if self.remat not in REMAT_CHOICES:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}: use one of {REMAT_CHOICES}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ValueError(
+                f"ModelConfig.attention={self.attention!r}: use one of {ATTENTION_CHOICES}"
+            )
+        if self.attention_chunk < 1:
+            raise ValueError(f"ModelConfig.attention_chunk={self.attention_chunk} must be >= 1")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.arch == "qwen2":
@@ -120,7 +140,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """Builds a config from an HF `config.json` dict; `overrides` set non-HF fields
-        (param_dtype, compute_dtype, remat)."""
+        (param_dtype, compute_dtype, remat, attention, attention_chunk)."""
         model_type = hf.get("model_type")
         if model_type not in HF_ARCHITECTURES:
             raise ValueError(

@@ -1,8 +1,12 @@
 """The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3) as Flax NNX modules.
 
-Module attribute names follow the HF checkpoints (`model.layers[i].self_attn.q_proj.kernel` <->
-`model.layers.{i}.self_attn.q_proj.weight`), so the name map in `hf_io.py` is a plain table.
-The modules are used functionally (`models.functional`): split once, merged inside jit.
+Module attribute names follow the HF checkpoints, so the name map in `hf_io.py` is a plain
+table. The decoder layers are *stacked*: `model.layers` is one `DecoderLayer` whose params carry
+a leading layer axis [L, ...] (`model.layers.self_attn.q_proj.kernel[i]` <->
+`model.layers.{i}.self_attn.q_proj.weight`), and `Decoder.hidden_states` applies them with one
+`jax.lax.scan`, so the program size and compile time do not grow with depth (MaxText's
+`scan_layers`). The modules are used functionally (`models.functional`): split once, merged
+inside jit.
 
 Precision: params are `cfg.param_dtype` (f32 masters). Activations run in `cfg.compute_dtype`.
 Every attention/MLP projection calls the `dot_general` passed at call time (the recipe's FP8 or
@@ -20,13 +24,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
-from models.config import ModelConfig
+from models import fp8
+from models.config import ModelConfig, RematPolicy
+from models.sharding import constrain_batch
 
 DotGeneral = Callable[..., Array]
-Attend = Callable[[Array, Array, Array], Array]  # (q, k, v) -> attention output [B, T, H, E]
-_NEG_INF = -1e30  # finite, so a fully masked row (a pad query) gives a uniform, not a NaN, row
+# The layer body's `jax.checkpoint` policy: "full" saves nothing (recomputes the whole layer in
+# the backward pass: activation memory ~ one layer), "save_dots" keeps the matmul outputs that
+# have no batch dims (recomputes norms, RoPE, softmax, SwiGLU; MaxText's default style).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+# attend(q [B,T,H,E], k [B,T,K,E], v [B,T,K,E], carry) -> (output [B,T,H,E], carry): one layer's
+# attention; `carry` is threaded through the layer scan (the KV cache when decoding, else None).
+Attend = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
+# attend_at(layer_index, q, k, v, carry): the same with the (traced int32) layer index.
+AttendAt = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
@@ -126,29 +143,6 @@ def apply_rope(
     return out.astype(x.dtype)
 
 
-def attention(
-    q: Float[Array, "B T H D"],
-    k: Float[Array, "B S K D"],
-    v: Float[Array, "B S K D"],
-    allowed: Bool[Array, "B T S"],
-) -> Float[Array, "B T H D"]:
-    """softmax(q k^T / sqrt(D) + bias) v with GQA (query head h reads kv head h // (H/K)).
-
-    Scores and softmax in f32; `allowed[b, t, s]` is False where query t must not see key s.
-    """
-    b, t, h, d = q.shape
-    kh = k.shape[2]
-    qg = q.reshape(b, t, kh, h // kh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(d))
-    scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum(
-        "bkgts,bskd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, t, h, d).astype(q.dtype)
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional qkv bias and q/k RMSNorm (Qwen3)."""
 
@@ -184,11 +178,12 @@ class Attention(nnx.Module):
         cos: Float[Array, "B T E"],
         sin: Float[Array, "B T E"],
         attend: Attend,
+        carry: Any,
         dot_general: DotGeneral,
-    ) -> Float[Array, "B T D"]:
+    ) -> tuple[Float[Array, "B T D"], Any]:
         q, k, v = self.project_qkv(x, cos, sin, dot_general)
-        out = attend(q, k, v)
-        return self.o_proj(out.reshape(*x.shape[:2], -1), dot_general)
+        out, carry = attend(q, k, v, carry)
+        return self.o_proj(out.reshape(*x.shape[:2], -1), dot_general), carry
 
 
 class MLP(nnx.Module):
@@ -222,10 +217,12 @@ class DecoderLayer(nnx.Module):
         cos: Float[Array, "B T E"],
         sin: Float[Array, "B T E"],
         attend: Attend,
+        carry: Any,
         dot_general: DotGeneral,
-    ) -> Float[Array, "B T D"]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, dot_general)
-        return x + self.mlp(self.post_attention_layernorm(x), dot_general)
+    ) -> tuple[Float[Array, "B T D"], Any]:
+        a, carry = self.self_attn(self.input_layernorm(x), cos, sin, attend, carry, dot_general)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x), dot_general), carry
 
 
 class Embed(nnx.Module):
@@ -242,12 +239,24 @@ class Embed(nnx.Module):
         return jnp.take(self.embedding[...], tokens, axis=0, mode="clip")
 
 
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """One `DecoderLayer` whose params are the L layers' params stacked on a leading axis.
+
+    Built as L separate layers and stacked, so the random stream (and so `init_model(cfg, seed)`)
+    is the same as that of L unstacked layers; under `nnx.eval_shape` nothing is allocated.
+    """
+    layers = [DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
+    nnx.update(layers[0], stacked)
+    return layers[0]
+
+
 class Backbone(nnx.Module):
-    """Embedding, decoder layers and the final norm (HF's `model.` prefix)."""
+    """Embedding, the stacked decoder layers and the final norm (HF's `model.` prefix)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.embed_tokens = Embed(cfg, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg=cfg)
 
 
@@ -272,33 +281,47 @@ class Decoder(nnx.Module):
         self,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"],
-        attend: Callable[[int, Array, Array, Array], Array],
+        attend_at: AttendAt,
         dot_general: DotGeneral,
         *,
-        remat: bool,
-    ) -> Float[Array, "B T D"]:
-        """Final-normed hidden states (compute dtype).
+        carry: Any = None,
+        remat: RematPolicy = "none",
+    ) -> tuple[Float[Array, "B T D"], Any]:
+        """Final-normed hidden states (compute dtype) and the final `carry`.
 
-        `attend(layer_index, q, k, v)` does the attention of one layer: plain masked attention
-        for a full forward, or a KV-cache read/write when decoding (`models.functional`).
-        `remat` recomputes each layer in the backward pass; it needs a side-effect-free
-        `attend`, so decoding passes False.
+        One `lax.scan` over the stacked layers: step i merges layer i's params and runs
+        x <- layer_i(x), with `attend_at(i, q, k, v, carry) -> (out, carry)` doing its attention
+        (masked self-attention for a full forward; a KV-cache write + read when decoding, the
+        cache being the `carry`). `remat` is the layer body's `jax.checkpoint` policy
+        (`REMAT_POLICIES`); a non-"none" policy needs `carry=None`, since a rematerialised body
+        must not thread state (decoding passes "none").
         """
         cfg = self.cfg
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r}: use one of {sorted(REMAT_POLICIES)}")
+        if remat != "none" and carry is not None:
+            raise ValueError(f"remat={remat!r} with a carry (decoding): decode with remat='none'")
         cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
-        x = self.model.embed_tokens(tokens).astype(cfg.compute_dtype)
-        for i, layer in enumerate(self.model.layers):
+        x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
+        layer_def, layer_params = nnx.split(self.model.layers)
 
-            def layer_attend(q: Array, k: Array, v: Array, i: int = i) -> Array:
-                return attend(i, q, k, v)
+        def layer(params_i: nnx.State, x: Array, carry: Any, i: Array) -> tuple[Array, Any]:
+            def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
+                return attend_at(i, q, k, v, c)
 
-            if remat:
-                graphdef, state = nnx.split(layer)
+            # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
+            params_i = fp8.dense_weights(params_i)
+            x, carry = nnx.merge(layer_def, params_i)(x, cos, sin, attend, carry, dot_general)
+            return constrain_batch(x), carry
 
-                def run(state: nnx.State, x: Array, graphdef: Any = graphdef, fn=layer_attend):
-                    return nnx.merge(graphdef, state)(x, cos, sin, fn, dot_general)
+        if remat != "none":
+            # prevent_cse=False: inside a scan CSE cannot undo the recomputation (jax docs).
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
-                x = jax.checkpoint(run)(state, x)
-            else:
-                x = layer(x, cos, sin, layer_attend, dot_general)
-        return self.model.norm(x)
+        def body(state: tuple[Array, Any], xs: tuple[nnx.State, Array]) -> tuple[Any, None]:
+            params_i, i = xs
+            return layer(params_i, *state, i), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_params, layer_ids))
+        return self.model.norm(x), carry

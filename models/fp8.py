@@ -258,6 +258,33 @@ def dequantize(
     return _untile(qt * st, q.shape).astype(dtype)
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=("q", "scale"), meta_fields=("tile",)
+)
+@dataclasses.dataclass(frozen=True)
+class StoredFP8Weight:
+    """A weight kept as FP8 codes and scales, W = dequantize(q, scale, tile) (f32).
+
+    The rollout engine holds the FP8 weights it serves this way (1 byte per weight instead of
+    4); a param leaf of this type is expanded by `dense_weights` where the model uses it (inside
+    the layer scan: one layer's f32 weights at a time). A pytree: `q` and `scale` are leaves
+    (a stacked layer param has them with a leading layer axis; `tile` is per layer)."""
+
+    q: Array
+    scale: Array
+    tile: tuple[int | None, ...]
+
+
+def dense_weights(tree: object) -> object:
+    """`tree` with every `StoredFP8Weight` leaf replaced by its f32 values; other leaves as
+    they are (a no-op for the trainer's f32 params)."""
+
+    def dense(x: object) -> object:
+        return dequantize(x.q, x.scale, x.tile) if isinstance(x, StoredFP8Weight) else x
+
+    return jax.tree.map(dense, tree, is_leaf=lambda x: isinstance(x, StoredFP8Weight))
+
+
 def fake_quantize(x: Array, fmt: Format, tile: Sequence[int | None], *, pow2: bool) -> Array:
     """dequantize(quantize(x)) in f32: the value an FP8 GEMM operand really holds."""
     q, scale = quantize(x, fmt, tile, pow2=pow2)

@@ -30,8 +30,9 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from models import fp8
+from models.attention import causal_self_attention, reference_attention
 from models.config import ModelConfig
-from models.decoder import Decoder, attention
+from models.decoder import Decoder
 
 Params = nnx.State
 # Default budget for one chunk of f32 logits in `token_logprobs_and_entropy` (B x C x V x 4 B).
@@ -61,10 +62,16 @@ def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
     return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
 
 
-def _causal_allowed(attention_mask: Int[Array, "B T"]) -> Bool[Array, "B T T"]:
-    t = attention_mask.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return causal[None, :, :] & attention_mask.astype(bool)[:, None, :]
+def _self_attention(cfg: ModelConfig, attention_mask: Int[Array, "B T"]):
+    """(q, k, v) -> causal self-attention of the padded batch by `cfg.attention`."""
+    key_mask = attention_mask.astype(bool)
+
+    def attend(q: Array, k: Array, v: Array) -> Array:
+        return causal_self_attention(
+            q, k, v, key_mask, impl=cfg.attention, chunk=cfg.attention_chunk
+        )
+
+    return attend
 
 
 def hidden_states(
@@ -75,20 +82,23 @@ def hidden_states(
     *,
     recipe: fp8.Recipe,
 ) -> Float[Array, "B T D"]:
-    """The final-normed hidden states (compute dtype); `cfg.remat` rematerialises each layer."""
+    """The final-normed hidden states (compute dtype): the scanned layers with
+    `cfg.attention` self-attention and `cfg.remat` rematerialisation."""
     model: Decoder = nnx.merge(graphdef, params)
-    allowed = _causal_allowed(attention_mask)
+    cfg = model.cfg
+    attend = _self_attention(cfg, attention_mask)
 
-    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
-        return attention(q, k, v, allowed)
+    def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
+        return attend(q, k, v), carry
 
-    return model.hidden_states(
+    h, _ = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
-        attend,
+        attend_at,
         fp8.make_dot_general(recipe),
-        remat=model.cfg.remat,
+        remat=cfg.remat,
     )
+    return h
 
 
 def _head_kernel(graphdef: nnx.GraphDef, params: Params) -> Float[Array, "D V"]:
@@ -240,6 +250,18 @@ class KVCache(NamedTuple):
     index: Int[Array, ""]
 
 
+def _write_kv(
+    kv: tuple[Array, Array], layer: Array, slot: Array | int, k: Array, v: Array
+) -> tuple[Array, Array]:
+    """Cache (k, v) [L, B, S, K, E] with layer `layer`'s slots [slot, slot + T) set to the new
+    [B, T, K, E] keys and values. The cache is the layer scan's carry, so XLA writes in place."""
+    start = (layer, 0, slot, 0, 0)
+    return tuple(
+        jax.lax.dynamic_update_slice(c, x[None].astype(c.dtype), start)
+        for c, x in zip(kv, (k, v), strict=True)
+    )
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation).
 
@@ -277,28 +299,24 @@ def prefill(
             f"prefill: prompt length {p} exceeds the cache length {cache.mask.shape[1]}; "
             "size init_cache(max_len=...) for prompt + generation"
         )
-    allowed = _causal_allowed(attention_mask)
-    keys: dict[int, Array] = {}
-    values: dict[int, Array] = {}
+    attend = _self_attention(model.cfg, attention_mask)
 
-    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
-        keys[layer], values[layer] = k, v
-        return attention(q, k, v, allowed)
+    def attend_at(
+        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
+    ) -> tuple[Array, tuple[Array, Array]]:
+        return attend(q, k, v), _write_kv(kv, i, 0, k, v)
 
-    h = model.hidden_states(
+    h, (k_all, v_all) = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
-        attend,
+        attend_at,
         fp8.make_dot_general(recipe),
-        remat=False,
+        carry=(cache.k, cache.v),
     )
-    n = len(keys)
-    k_new = jnp.stack([keys[i] for i in range(n)]).astype(cache.k.dtype)
-    v_new = jnp.stack([values[i] for i in range(n)]).astype(cache.v.dtype)
     mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
     new_cache = KVCache(
-        k=jax.lax.dynamic_update_slice(cache.k, k_new, (0, 0, 0, 0, 0)),
-        v=jax.lax.dynamic_update_slice(cache.v, v_new, (0, 0, 0, 0, 0)),
+        k=k_all,
+        v=v_all,
         mask=mask,
         pos=jnp.sum(attention_mask.astype(jnp.int32), axis=1),
         index=jnp.asarray(p, jnp.int32),
@@ -323,21 +341,22 @@ def decode_step(
     slots = jnp.arange(cache.mask.shape[1])
     mask = cache.mask | (slots == index)[None, :]
     allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including index
-    k_all, v_all = cache.k, cache.v
 
-    def attend(layer: int, q: Array, k: Array, v: Array) -> Array:
-        nonlocal k_all, v_all
-        start = (layer, 0, index, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-        return attention(q, k_all[layer], v_all[layer], allowed)
+    def attend_at(
+        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
+    ) -> tuple[Array, tuple[Array, Array]]:
+        # Write slot `index` of layer i, then attend over that layer's whole cache ([B,H,1,S]).
+        k_all, v_all = _write_kv(kv, i, index, k, v)
+        k_i = jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False)
+        v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
+        return reference_attention(q, k_i, v_i, allowed), (k_all, v_all)
 
-    h = model.hidden_states(
+    h, (k_all, v_all) = model.hidden_states(
         token[:, None],
         cache.pos[:, None],
-        attend,
+        attend_at,
         fp8.make_dot_general(recipe),
-        remat=False,
+        carry=(cache.k, cache.v),
     )
     new_cache = KVCache(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
     return _logits(h[:, 0], model.head_kernel()), new_cache

@@ -12,27 +12,31 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from models import tokenizer as tokenizer_io
 from models.config import ModelConfig
 from models.functional import Params, abstract_model
+from models.sharding import param_shardings
 
-# One row per tensor: (HF name with {i} for the layer, our path with "{i}", transposed?).
+# One row per tensor kind: (HF name with {i} for the layer, our path, transposed?). Layer paths are
+# relative to `model.layers`, whose params are stacked on a leading layer axis.
 _EMBED = [("model.embed_tokens.weight", ("model", "embed_tokens", "embedding"), False)]
 _FINAL = [("model.norm.weight", ("model", "norm", "weight"), False)]
 _LM_HEAD = [("lm_head.weight", ("lm_head",), True)]
 _L = "model.layers.{i}."
+LAYERS_PATH = ("model", "layers")  # where the stacked [L, ...] layer params live
 _NORMS = [
     (_L + "input_layernorm.weight", ("input_layernorm", "weight"), False),
     (_L + "post_attention_layernorm.weight", ("post_attention_layernorm", "weight"), False),
@@ -60,6 +64,18 @@ LAYER_NAME_MAPS: dict[str, list[tuple[str, tuple[str, ...], bool]]] = {
     "qwen3": _NORMS + _ATTN + _QK_NORM + _MLP,
     "llama": _NORMS + _ATTN + _MLP,
 }
+
+
+class HFTensor(NamedTuple):
+    """One HF tensor: `name` <-> `params[path]` (with `[layer]` on the leading axis of a stacked
+    layer param, `layer` None otherwise), transposed ([out, in] <-> our [in, out]) or not."""
+
+    name: str
+    path: tuple[str, ...]
+    layer: int | None
+    transposed: bool
+
+
 # Tensors some HF checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -79,18 +95,19 @@ _ST_DTYPES: dict[str, Any] = {
 }
 
 
-def hf_name_map(cfg: ModelConfig) -> list[tuple[str, tuple[Any, ...], bool]]:
-    """Every tensor of the model: (HF name, path in our params state, transposed?)."""
-    rows: list[tuple[str, tuple[Any, ...], bool]] = list(_EMBED)
+def hf_name_map(cfg: ModelConfig) -> list[HFTensor]:
+    """Every tensor of the model in HF order (embedding; layer 0's tensors, layer 1's, ...;
+    final norm; LM head). Stacked layer params map to one HF name per layer."""
+    rows = [HFTensor(hf, ours, None, t) for hf, ours, t in _EMBED]
     layer_rows = list(LAYER_NAME_MAPS[cfg.arch])
     if cfg.arch != "qwen2" and cfg.qkv_bias:
         layer_rows += _QKV_BIAS
     for i in range(cfg.num_layers):
         for hf, ours, transposed in layer_rows:
-            rows.append((hf.format(i=i), ("model", "layers", i, *ours), transposed))
-    rows += _FINAL
+            rows.append(HFTensor(hf.format(i=i), (*LAYERS_PATH, *ours), i, transposed))
+    rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _FINAL]
     if not cfg.tie_word_embeddings:
-        rows += _LM_HEAD
+        rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _LM_HEAD]
     return rows
 
 
@@ -106,14 +123,28 @@ def _set(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
     tree[path[-1]] = value
 
 
+def _hf_shape(row: HFTensor, param_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape for a param of `param_shape` (stacked: [L, ...])."""
+    shape = param_shape[1:] if row.layer is not None else param_shape
+    return shape[::-1] if row.transposed else shape
+
+
+def iter_hf_state(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, float32 numpy array in HF layout) one tensor at a time, in `hf_name_map`
+    order: layer i of a stacked param is sliced on device and only that slice is fetched, so
+    host memory holds one tensor (the caller decides what to keep)."""
+    pure = nnx.to_pure_dict(params)
+    for row in hf_name_map(cfg):
+        x = _get(pure, row.path)
+        if row.layer is not None:
+            x = x[row.layer]
+        x = np.asarray(jax.device_get(x), dtype=np.float32)
+        yield row.name, np.ascontiguousarray(x.T if row.transposed else x)
+
+
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:
     """Params -> {HF name: float32 numpy array in HF layout ([out, in] for linears)}."""
-    pure = nnx.to_pure_dict(params)
-    out: dict[str, np.ndarray] = {}
-    for hf, ours, transposed in hf_name_map(cfg):
-        x = np.asarray(jax.device_get(_get(pure, ours)), dtype=np.float32)
-        out[hf] = np.ascontiguousarray(x.T if transposed else x)
-    return out
+    return dict(iter_hf_state(cfg, params))
 
 
 def from_hf_state_dict(
@@ -121,31 +152,38 @@ def from_hf_state_dict(
     tensors: Mapping[str, np.ndarray],
     *,
     source: str | Mapping[str, str] = "state dict",
+    shardings: Any = None,
+    keep_dtype: bool = False,
 ) -> Params:
-    """{HF name: array} -> params (`cfg.param_dtype`). Missing, unexpected or mis-shaped
-    tensors raise a ValueError naming the tensor, the expected and found shapes and the file
-    (`source`: a description, or {HF name: file} when loading a folder)."""
+    """{HF name: array} -> params (`cfg.param_dtype`, layers stacked [L, ...]). Missing,
+    unexpected or mis-shaped tensors raise a ValueError naming the tensor, the expected and
+    found shapes and the file (`source`: a description, or {HF name: file} when loading a
+    folder).
+
+    `shardings`: None (default device), or a pytree like the params of `jax.sharding.Sharding`s
+    (e.g. `models.sharding.param_shardings`): each array is then assembled shard by shard
+    (`jax.make_array_from_callback`), so no device ever holds an unsharded copy.
+    `keep_dtype`: keep each tensor's own dtype (bf16, FP8 codes) instead of `cfg.param_dtype`.
+    """
     _, abstract = abstract_model(cfg)
     pure = nnx.to_pure_dict(abstract)
-    expected_names = set()
-    for hf, ours, transposed in hf_name_map(cfg):
-        expected_names.add(hf)
-        want = tuple(_get(pure, ours).shape)
-        want_hf = want[::-1] if transposed else want
-        if hf not in tensors:
+    by_path: dict[tuple[str, ...], list[HFTensor]] = {}
+    for row in hf_name_map(cfg):
+        want_hf = _hf_shape(row, tuple(_get(pure, row.path).shape))
+        if row.name not in tensors:
             raise ValueError(
-                f"{_all_sources(source)}: tensor {hf!r} is missing (expected shape {want_hf} for "
-                f"{cfg.arch}, tie_word_embeddings={cfg.tie_word_embeddings}, "
+                f"{_all_sources(source)}: tensor {row.name!r} is missing (expected shape "
+                f"{want_hf} for {cfg.arch}, tie_word_embeddings={cfg.tie_word_embeddings}, "
                 f"qkv_bias={cfg.qkv_bias}); check config.json against the weights"
             )
-        x = np.asarray(tensors[hf])
-        if tuple(x.shape) != want_hf:
+        found = tuple(np.shape(tensors[row.name]))
+        if found != want_hf:
             raise ValueError(
-                f"{_source_of(source, hf)}: tensor {hf!r} has shape {tuple(x.shape)}, expected "
-                f"{want_hf} (HF layout) from config.json"
+                f"{_source_of(source, row.name)}: tensor {row.name!r} has shape {found}, "
+                f"expected {want_hf} (HF layout) from config.json"
             )
-        x = x.astype(np.float32)
-        _set(pure, ours, jnp.asarray(x.T if transposed else x, dtype=cfg.param_dtype))
+        by_path.setdefault(row.path, []).append(row)
+    expected_names = {row.name for rows in by_path.values() for row in rows}
     unexpected = [
         n
         for n in tensors
@@ -158,8 +196,45 @@ def from_hf_state_dict(
             f"{_all_sources(source)}: {len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}; "
             f"the checkpoint does not match arch={cfg.arch!r} with {cfg.num_layers} layers"
         )
+    pure_shardings = None if shardings is None else nnx.to_pure_dict(shardings)
+    for path, rows in by_path.items():
+        leaf = _get(pure, path)
+        sharding = None if pure_shardings is None else _get(pure_shardings, path)
+        dtype = np.asarray(tensors[rows[0].name]).dtype if keep_dtype else cfg.param_dtype
+        _set(pure, path, _assemble(rows, tensors, leaf.shape, dtype, sharding))
     nnx.replace_by_pure_dict(abstract, pure)
     return abstract
+
+
+def _assemble(
+    rows: list[HFTensor],
+    tensors: Mapping[str, np.ndarray],
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: Any,
+) -> jax.Array:
+    """One param from its HF tensor(s): transposed back, stacked over layers when `rows` are the
+    L layers of a stacked param, cast to `dtype` (via f32), placed by `sharding`."""
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        # The [index] block of the param, built from only the HF tensors it touches.
+        def ours(row: HFTensor) -> np.ndarray:
+            x = np.asarray(tensors[row.name])
+            return x.T if row.transposed else x
+
+        if rows[0].layer is None:
+            x = ours(rows[0])[index]
+        else:
+            layer_ids = range(len(rows))[index[0]] if index else range(len(rows))
+            x = np.stack([ours(rows[i])[index[1:]] for i in layer_ids])
+        # Via f32 (exact from any float format); f32 -> bf16 rounds to nearest even, as jax.
+        same = x.dtype == jnp.dtype(dtype)
+        return x if same else x.astype(np.float32).astype(jnp.dtype(dtype))
+
+    full = tuple(slice(None) for _ in shape)
+    if sharding is None:
+        return jnp.asarray(block(full))
+    return jax.make_array_from_callback(shape, sharding, lambda index: block(index or full))
 
 
 def _source_of(source: str | Mapping[str, str], name: str) -> str:
@@ -193,8 +268,12 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     return {"__data_start__": 8 + n, **header}
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of one file as numpy arrays (BF16 and FP8 as ml_dtypes arrays)."""
+def read_safetensors(path: str | Path, *, copy: bool = True) -> dict[str, np.ndarray]:
+    """All tensors of one file as numpy arrays (BF16 and FP8 as ml_dtypes arrays).
+
+    `copy=False` returns read-only views of a memory map of the file: nothing is read until
+    used, and the pages are file-backed (the OS can drop them), which bounds a loader's host
+    memory; the file must then stay unmodified while the arrays are in use."""
     path = Path(path)
     header = read_safetensors_header(path)
     start = header.pop("__data_start__")
@@ -205,7 +284,8 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
         lo, hi = info["data_offsets"]
         buf = np.asarray(data[start + lo : start + hi])
-        out[name] = buf.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"]).copy()
+        x = buf.view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+        out[name] = x.copy() if copy else x
     return out
 
 
@@ -238,10 +318,15 @@ def load_hf_config(folder: str | Path, **overrides: Any) -> ModelConfig:
         raise ValueError(f"{path}: {e}") from e
 
 
-def load_hf(folder: str | Path, **overrides: Any) -> tuple[ModelConfig, nnx.GraphDef, Params]:
+def load_hf(
+    folder: str | Path, *, mesh: Mesh | None = None, **overrides: Any
+) -> tuple[ModelConfig, nnx.GraphDef, Params]:
     """Loads an HF folder (config.json + safetensors, one file or shards) into the model.
 
-    `overrides` set non-HF config fields (e.g. `compute_dtype=jnp.float32`, `remat=True`).
+    `overrides` set non-HF config fields (e.g. `compute_dtype=jnp.float32`, `remat="full"`,
+    `attention="chunked"`). With `mesh`, every param is placed straight into its
+    `models.sharding.param_shardings` sharding, shard by shard. The files are memory-mapped and
+    each param is built from its own tensors only, so host memory stays near one param.
     The tokenizer is loaded separately: `models.tokenizer.load_tokenizer(folder)`.
     """
     folder = Path(folder)
@@ -249,12 +334,13 @@ def load_hf(folder: str | Path, **overrides: Any) -> tuple[ModelConfig, nnx.Grap
     tensors: dict[str, np.ndarray] = {}
     origin: dict[str, str] = {}
     for f in _weight_files(folder):
-        for name, x in read_safetensors(f).items():
+        for name, x in read_safetensors(f, copy=False).items():
             if name in tensors:
                 raise ValueError(f"{f}: tensor {name!r} also appears in {origin[name]}")
             tensors[name], origin[name] = x, str(f)
-    params = from_hf_state_dict(cfg, tensors, source=origin)
-    graphdef, _ = abstract_model(cfg)
+    graphdef, abstract = abstract_model(cfg)
+    shardings = None if mesh is None else param_shardings(cfg, abstract, mesh)
+    params = from_hf_state_dict(cfg, tensors, source=origin, shardings=shardings)
     return cfg, graphdef, params
 
 
@@ -268,10 +354,12 @@ def save_hf(
 ) -> Path:
     """Writes an HF folder that transformers and vLLM load: config.json, float32 weights
     (`model.safetensors`, or shards + index above `max_shard_bytes`), generation_config.json,
-    and the tokenizer files when `tokenizer` is given. Returns the folder."""
+    and the tokenizer files when `tokenizer` is given. Returns the folder.
+
+    Tensors are fetched one at a time (`iter_hf_state`) and each shard is written as soon as it
+    is full, so host memory holds at most one shard (5 GiB by default), not the model."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf_state_dict(cfg, params)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32"), indent=2) + "\n")
     gen = {
         k: v
@@ -279,28 +367,38 @@ def save_hf(
         if v is not None
     }
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, x in tensors.items():
-        if shards[-1] and size + x.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = x
-        size += x.nbytes
     for old in folder.glob("model*.safetensors"):
         old.unlink()  # stale shards from an earlier save would be loaded too
+    meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
+    # Shards are written under temporary names (not *.safetensors, so a reader never takes a
+    # half-saved folder's shards) and renamed once their count is known.
+    written: list[tuple[Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush(shard: dict[str, np.ndarray]) -> None:
+        path = folder / f"model.partial-{len(written):05d}"
+        save_file(shard, str(path), metadata=meta)
+        written.append((path, list(shard)))
+
+    for name, x in iter_hf_state(cfg, params):
+        if shard and size + x.nbytes > max_shard_bytes:
+            flush(shard)
+            shard, size = {}, 0
+        shard[name] = x
+        size += x.nbytes
+        total += x.nbytes
+    flush(shard)
     index_path = folder / "model.safetensors.index.json"
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata=meta)
+    if len(written) == 1:
+        written[0][0].rename(folder / "model.safetensors")
         index_path.unlink(missing_ok=True)
     else:
         weight_map = {}
-        for k, shard in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / fname), metadata=meta)
-            weight_map.update(dict.fromkeys(shard, fname))
-        total = sum(x.nbytes for x in tensors.values())
+        for k, (path, names) in enumerate(written):
+            fname = f"model-{k + 1:05d}-of-{len(written):05d}.safetensors"
+            path.rename(folder / fname)
+            weight_map.update(dict.fromkeys(names, fname))
         index_path.write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
@@ -320,12 +418,11 @@ def random_hf_state_dict(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     pure = nnx.to_pure_dict(abstract)
     rng = np.random.RandomState(seed)
     out: dict[str, np.ndarray] = {}
-    for hf, ours, transposed in hf_name_map(cfg):
-        shape = tuple(_get(pure, ours).shape)
-        shape = shape[::-1] if transposed else shape
-        if hf.endswith("norm.weight"):
+    for row in hf_name_map(cfg):
+        shape = _hf_shape(row, tuple(_get(pure, row.path).shape))
+        if row.name.endswith("norm.weight"):
             x = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             x = 0.02 * rng.standard_normal(shape)
-        out[hf] = x.astype(np.float32)
+        out[row.name] = x.astype(np.float32)
     return out

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
+
+# HF-named tensors ([out, in] linears): a dict, or (name, array) pairs consumed once, e.g.
+# `models.hf_io.iter_hf_state`, which fetches one tensor at a time (bounded host memory).
+HFTensors = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
 
 FinishReason = Literal["stop", "length"]
 
@@ -112,9 +116,9 @@ class RolloutBackend(abc.ABC):
         log p(s[t] | s[:t]) at temperature 1, entry 0 = 0.0."""
 
     @abc.abstractmethod
-    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+    def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """Installs new policy weights, given in HF names and layout ([out, in], float32
-        masters). The backend converts them to its rollout format (bf16 / fp32 / FP8 block)
+        masters), as a dict or as (name, array) pairs read once (`HFTensors`). The backend converts them to its rollout format (bf16 / fp32 / FP8 block)
         through `rollout_bridge.export`, so every backend holds the same numbers. After it
         returns, `weight_version()` is `version` and every later sample uses the new weights."""
 

@@ -28,8 +28,10 @@ The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server r
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
 embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
 
-How FP8 exports are consumed: `dense_hf_state` dequantizes each linear to f32, `w = q * s`,
-and the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
+How exports are held and consumed: `served_params` keeps every tensor as exported (bf16
+stays bf16; an FP8 linear stays e4m3 codes + f32 block scales, 1 byte per weight), and the
+model widens them where it uses them, dequantizing an FP8 linear to f32, `w = q * s`, one
+layer at a time inside its layer scan; the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
 re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged
 and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
 Measured against the trainer's own recipe on the f32 masters (tiny model, N(0, 0.02) weights,
@@ -56,7 +58,13 @@ from models import fp8
 from models.config import ModelConfig
 from models.fp8 import Recipe, get_recipe
 from rollout_bridge import sampling as smp
-from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.backend import (
+    Completion,
+    HFTensors,
+    RolloutBackend,
+    RolloutError,
+    SamplingParams,
+)
 from rollout_bridge.engine_jit import generate_rows, score_logprobs, score_ranks
 from rollout_bridge.weight_files import default_root
 
@@ -73,29 +81,48 @@ def _default_export_format(recipe: Recipe) -> str:
     return "fp8" if block_fp8 else "fp32"
 
 
-def dense_hf_state(
-    tensors: Mapping[str, np.ndarray], quantization_config: Mapping[str, Any] | None
-) -> dict[str, np.ndarray]:
-    """HF tensors of an export as float32: FP8 `weight` + `weight_scale_inv` pairs become
-    `w = q * s` per block (`models.fp8.dequantize`, the block size from `quantization_config`),
-    bf16 / fp32 tensors are widened exactly. The recipe re-quantizes at compute time."""
-    out: dict[str, np.ndarray] = {}
+def served_params(
+    cfg: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    quantization_config: Mapping[str, Any] | None,
+) -> Any:
+    """The params the engine computes with, from the HF tensors of an export, kept compact:
+    every tensor in its exported dtype (bf16 stays bf16), and each FP8 `weight` +
+    `weight_scale_inv` pair as a `models.fp8.StoredFP8Weight` (e4m3 codes [L, in, out] and f32
+    block scales [L, in/B, out/B], B from `quantization_config`), which the model expands to
+    w = q * s one layer at a time inside its layer scan. The values the model computes with
+    are those of the f32 widening, so compact and dense give the same logits bit for bit."""
+    from models.hf_io import from_hf_state_dict, hf_name_map
+
+    scale_suffix = ".weight_scale_inv"
+    scales = {n: x for n, x in tensors.items() if n.endswith(scale_suffix)}
     block = (quantization_config or {}).get("weight_block_size")
-    for name, arr in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+    if scales and not block:
+        raise RolloutError(
+            f"embedded: export holds {sorted(scales)[0]} but its manifest has no "
+            "quantization_config.weight_block_size; re-export with fmt='fp8'"
+        )
+    plain = {n: x for n, x in tensors.items() if n not in scales}
+    params = from_hf_state_dict(cfg, plain, source="export", keep_dtype=True)
+    rows_by_path: dict[tuple[str, ...], list[Any]] = {}
+    for row in hf_name_map(cfg):
+        rows_by_path.setdefault(row.path, []).append(row)
+    for path, rows in rows_by_path.items():
+        names = [r.name.removesuffix(".weight") + scale_suffix for r in rows]
+        if not any(n in scales for n in names):
             continue
-        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
-        if scale_name in tensors:
-            if not block:
-                raise RolloutError(
-                    f"embedded: export holds {scale_name} but its manifest has no "
-                    "quantization_config.weight_block_size; re-export with fmt='fp8'"
-                )
-            w = fp8.dequantize(jnp.asarray(arr), jnp.asarray(tensors[scale_name]), tuple(block))
-            out[name] = np.asarray(w, np.float32)
-        else:
-            out[name] = np.asarray(arr, np.float32)
-    return out
+        missing = [n for n in names if n not in scales]
+        if missing or not all(r.transposed for r in rows):
+            raise RolloutError(f"embedded: export lacks FP8 scales {missing[:3]} of {path}")
+        # HF [out, in] blocks -> our [in, out] kernel: the scale grid transposes with it.
+        s = np.stack([np.asarray(scales[n], np.float32).T for n in names])
+        if rows[0].layer is None:
+            s = s[0]
+        node = params
+        for key in path:
+            node = node[key]
+        node.set_value(fp8.StoredFP8Weight(node.get_value(), jnp.asarray(s), tuple(block)))
+    return params
 
 
 class EmbeddedBackend(RolloutBackend):
@@ -103,7 +130,10 @@ class EmbeddedBackend(RolloutBackend):
 
     Args:
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
-      graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`).
+      graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
+        params are copied, so the caller may donate or delete its own buffers. params=None:
+        no weights until the first `push_weights` / `load_export_dir` (which then hold only
+        the compact export, never an f32 copy); generate / score refuse until then.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
       eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
@@ -123,7 +153,7 @@ class EmbeddedBackend(RolloutBackend):
         self,
         cfg: ModelConfig,
         graphdef: Any,
-        params: Any,
+        params: Any | None,
         *,
         recipe: str | Recipe = "fp8_block",
         eos_id: int | None,
@@ -134,7 +164,10 @@ class EmbeddedBackend(RolloutBackend):
     ) -> None:
         self.cfg = cfg
         self.graphdef = graphdef
-        self.params = params
+        # Own buffers: the trainer donates its train-state params to its update, and a
+        # `device_put` to the same placement returns the same buffers, so holding the caller's
+        # arrays could leave the engine with deleted ones. None: no weights until a push.
+        self.params = None if params is None else jax.tree.map(jnp.copy, params)
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.eos_id = eos_id
         self.max_len = int(max_len or cfg.max_position_embeddings)
@@ -178,7 +211,7 @@ class EmbeddedBackend(RolloutBackend):
     ) -> list[Completion]:
         """All prompts x n samples in one jitted loop; completions prompt-major."""
         sp = sampling
-        self._check_open()
+        self._check_weights()
         prompts = [tuple(int(t) for t in p) for p in prompts]
         if not prompts:
             return []
@@ -304,7 +337,7 @@ class EmbeddedBackend(RolloutBackend):
         self, sequences: Sequence[Sequence[int]]
     ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Right-padded, bucketed (tokens, mask) and the true lengths."""
-        self._check_open()
+        self._check_weights()
         seqs = [tuple(int(t) for t in s) for s in sequences]
         for i, s in enumerate(seqs):
             if not s or len(s) > self.max_len:
@@ -323,7 +356,7 @@ class EmbeddedBackend(RolloutBackend):
             tokens[r, : len(s)], mask[r, : len(s)] = s, 1
         return tokens, mask, [len(s) for s in seqs]
 
-    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+    def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """Exports `hf_state` in `self.export_format` to the shared-memory export root, loads
         it back with the manifest verified, and installs it (the path an external server's
         weights take)."""
@@ -345,7 +378,6 @@ class EmbeddedBackend(RolloutBackend):
         """Installs the weights of one export folder, verified against its manifest (and the
         expected version / manifest hash when given); `push_weights` and the server's
         `/update_weights` route both end here. Labels them `version` when given."""
-        from models.hf_io import from_hf_state_dict
         from rollout_bridge.weight_files import load_export
 
         self._check_open()
@@ -355,9 +387,7 @@ class EmbeddedBackend(RolloutBackend):
             expected_version=version,
             expected_manifest_sha256=manifest_sha256,
         )
-        dense = dense_hf_state(tensors, manifest.get("quantization_config"))
-        params = from_hf_state_dict(self.cfg, dense)
-        params = jax.tree.map(jnp.asarray, params)
+        params = served_params(self.cfg, tensors, manifest.get("quantization_config"))
         with self._lock:
             self.params = params
             if version is not None:
@@ -385,6 +415,13 @@ class EmbeddedBackend(RolloutBackend):
     def _check_open(self) -> None:
         if self._closed:
             raise RolloutError("embedded: the backend was closed; create a new EmbeddedBackend")
+
+    def _check_weights(self) -> None:
+        self._check_open()
+        if self.params is None:
+            raise RolloutError(
+                "embedded: no weights yet (built with params=None); call push_weights first"
+            )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rollout_bridge.backend import HFTensors
 from rollout_bridge.weight_files import (
     ExportError,
     default_root,
@@ -91,17 +92,20 @@ def _fp8_dequantizer(block_size: int):
 
 
 def to_rollout_format(
-    hf_state: Mapping[str, Any], fmt: ExportFormat, *, block_size: int = FP8_BLOCK_SIZE
+    hf_state: HFTensors, fmt: ExportFormat, *, block_size: int = FP8_BLOCK_SIZE
 ) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     """Converts HF-named weights ([out, in] linears, any float dtype) to the rollout format.
 
+    `hf_state` is a dict or (name, array) pairs read once: only the converted tensors are kept,
+    so with `models.hf_io.iter_hf_state` host memory holds the export plus one f32 tensor.
     Returns ({name: numpy array}, quantization_config or None). See the module docstring."""
     import ml_dtypes
 
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {EXPORT_FORMATS}")
     out: dict[str, np.ndarray] = {}
-    for name, value in hf_state.items():
+    items = hf_state.items() if isinstance(hf_state, Mapping) else hf_state
+    for name, value in items:
         w = np.asarray(value, dtype=np.float32)
         if fmt == "fp32":
             out[name] = w
@@ -121,7 +125,7 @@ def to_rollout_format(
 
 
 def export_weights(
-    hf_state: Mapping[str, Any],
+    hf_state: HFTensors,
     version: str,
     *,
     fmt: ExportFormat = "bf16",
@@ -132,7 +136,8 @@ def export_weights(
     """Converts `hf_state` to `fmt` and writes it as version `version` under `root`.
 
     Args:
-      hf_state: {HF name: array} (e.g. `models.hf_io.to_hf_state_dict(cfg, params)`).
+      hf_state: {HF name: array}, or (name, array) pairs read once (e.g.
+        `models.hf_io.iter_hf_state(cfg, params)`: one tensor fetched at a time).
       version: the weight version label, also the folder name (e.g. "step-12").
       fmt: "fp32" | "bf16" | "fp8" | "fp8_fp32" (module docstring).
       root: export root; default `weight_files.default_root()` (/dev/shm/jfp8rl/run-<pid>).

@@ -68,13 +68,19 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rollout_bridge.backend import Completion, RolloutBackend, RolloutError, SamplingParams
+from rollout_bridge.backend import (
+    Completion,
+    HFTensors,
+    RolloutBackend,
+    RolloutError,
+    SamplingParams,
+)
 from rollout_bridge.export import ExportFormat, export_weights
 from rollout_bridge.weight_files import MANIFEST, default_root, sha256_file
 
@@ -371,7 +377,7 @@ class HttpBackend(RolloutBackend):
             out.append(self._check_logprobs(values, f"score sequence {i}"))
         return out
 
-    def push_weights(self, hf_state: Mapping[str, np.ndarray], version: str) -> None:
+    def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """export -> pause -> (init) -> start -> update -> finish -> resume -> /weight_info."""
         path = export_weights(
             hf_state,

@@ -149,3 +149,35 @@ def test_score_responses_adds_shaping_to_correctness() -> None:
     )
     np.testing.assert_allclose(c, [1, 0, 1])
     np.testing.assert_allclose(r, [1, 0, 0])
+
+
+def test_mesh_config_replaces_num_devices(tmp_path: Path) -> None:
+    # The removed key fails naming its replacement, from the command line and from a file.
+    with pytest.raises(ConfigError, match=r"train\.num_devices.*train\.mesh"):
+        load_config(None, ["train.num_devices=2"])
+    old = tmp_path / "old.yaml"
+    old.write_text("train:\n  num_devices: 2\n")
+    with pytest.raises(ConfigError, match=rf"{old}.*train\.mesh\.data=N"):
+        load_config(old)
+    cfg = load_config(None, ["train.mesh.fsdp=-1", "train.mesh.tensor=2"])
+    assert (cfg.train.mesh.data, cfg.train.mesh.fsdp, cfg.train.mesh.tensor) == (1, -1, 2)
+    with pytest.raises(ConfigError, match="at most one axis may be -1"):
+        load_config(None, ["train.mesh.fsdp=-1", "train.mesh.data=-1"])
+    with pytest.raises(ConfigError, match=r"train\.mesh\.tensor=0"):
+        load_config(None, ["train.mesh.tensor=0"])
+    # Mini-batch 16 * 8 / 4 = 32: micro-batches must divide it and split over data x fsdp.
+    with pytest.raises(ConfigError, match=r"train\.micro_batch_size=12 must divide.*32"):
+        load_config(None, ["train.micro_batch_size=12"])
+    with pytest.raises(ConfigError, match=r"micro_batch_size 8 must be a multiple of the 16"):
+        load_config(None, ["train.micro_batch_size=8", "train.mesh.fsdp=16"])
+
+
+def test_resolve_mesh_shape() -> None:
+    from jfp8rl.mesh import resolve_mesh_shape
+
+    assert resolve_mesh_shape(1, -1, 2, 8) == (1, 4, 2)
+    assert resolve_mesh_shape(2, 2, 1, 8) == (2, 2, 1)  # the first 4 of 8 devices
+    with pytest.raises(ValueError, match="not a multiple"):
+        resolve_mesh_shape(3, -1, 1, 8)
+    with pytest.raises(ValueError, match="needs 16 devices, only 8"):
+        resolve_mesh_shape(1, 16, 1, 8)

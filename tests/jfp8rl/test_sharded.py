@@ -1,7 +1,17 @@
-"""DESIGN.md section 9: a run sharded over 2 (forced host) devices matches the 1-device run.
+"""DESIGN.md section 9 on 8 forced host devices: sharded == single device.
 
-XLA_FLAGS must be set before jax starts, so the 2-device run goes in a fresh subprocess; the
-1-device run is in-process (it reuses the other tests' compiled step functions).
+XLA_FLAGS must be set before jax starts, so the multi-device work runs in fresh subprocesses:
+
+* `sharded_check.py`: one mini-batch's loss and grads, and the params after 3 calibrating
+  optimizer updates (Calibrated Clipping's quantile and balance over the sharded batch), on
+  the meshes fsdp=8, fsdp=4 x tensor=2 and data=2 x fsdp=4, against the same programs on one
+  device; f32 compute. BF16 recipe: to 1e-5 (measured <= 1.7e-6, max relative to each leaf's
+  largest entry). FP8 block recipe (measured on jax 0.11.2 CPU, all three meshes): loss and
+  grads <= 8e-7, params after 3 updates 4.0e-4 (an FP8 rounding flip from f32 summation
+  order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3.
+* the trainer end to end (tiny config) on a fsdp=4 x tensor=2 mesh with 2 micro-batches per
+  mini-batch: a run stopped after step 2 and resumed equals the uninterrupted run exactly,
+  and its first two steps match the single-device run up to FP8 rounding flips.
 """
 
 from __future__ import annotations
@@ -18,37 +28,90 @@ from tiny_run import TINY, small
 from jfp8rl.config import load_config
 from jfp8rl.loop import run
 from jfp8rl.metrics import read_metrics
+from models.hf_io import read_safetensors
+
+HERE = Path(__file__).resolve().parent
+ENV8 = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), str(HERE)]),
+)
+TIMING_PREFIXES = ("timing/", "throughput/")
+
+
+@pytest.mark.slow
+def test_sharded_step_matches_single_device() -> None:
+    meshes = "fsdp8,fsdp4_tensor2,data2_fsdp4"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sharded_check.py"), f"bf16:{meshes}", "fp8_block:fsdp4_tensor2"],
+        capture_output=True, text=True, env=ENV8, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) == 4
+    for name, r in report.items():
+        tol_params = 1e-5 if name.startswith("bf16:") else 2e-3
+        for k, tol in (("loss", 1e-5), ("grads", 1e-5), ("params_after_3", tol_params)):
+            assert r[k] <= tol, (name, k, r[k])
+        assert r["metrics"] <= 1e-3, (name, r["metrics"])  # ratios of small sums, quantiles
+        # Params and Adam moments are really split: a device holds 1 / (fsdp x tensor) of q_proj.
+        assert r["q_spec"] == r["mu_spec"] and "fsdp" in r["q_spec"], (name, r)
+        shards = 8 // (2 if "data2" in name else 1)
+        assert r["q_shard_fraction"] == 1 / shards, (name, r)
+
 
 SCRIPT = """
 import json, sys
 from jfp8rl.config import load_config
 from jfp8rl.metrics import read_metrics
 from jfp8rl.loop import run
-overrides = json.loads(sys.argv[1]) + [f"run_dir={sys.argv[2]}/d2", "train.num_devices=2"]
-run(load_config(sys.argv[3], overrides))
-print(json.dumps(read_metrics(f"{sys.argv[2]}/d2")))
+overrides, out = json.loads(sys.argv[1]), sys.argv[2]
+run(load_config(sys.argv[3], overrides + [f"run_dir={out}/full"]))
+run(load_config(sys.argv[3], overrides + [f"run_dir={out}/resumed", "train.stop_after=2"]))
+run(load_config(sys.argv[3], overrides + [f"run_dir={out}/resumed"]))
+print(json.dumps([read_metrics(f"{out}/full"), read_metrics(f"{out}/resumed")]))
 """
 
 
 @pytest.mark.slow
-def test_two_devices_match_one(base_policy_dir: Path, cache_dir: Path, tmp_path: Path) -> None:
+def test_trainer_sharded_micro_batched_resume_exact(
+    base_policy_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
     overrides = [
-        o for o in small(tmp_path, cache_dir, "train.steps=2", "train.eval_every=0")
+        o
+        for o in small(
+            tmp_path, cache_dir, "train.micro_batch_size=4", "train.eval_every=0",
+            "checkpoint.every=1",
+        )
         if not o.startswith("run_dir=")
     ]  # fmt: skip
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    sharded = [*overrides, "train.mesh.fsdp=4", "train.mesh.tensor=2"]
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(overrides), str(tmp_path), str(TINY)],
-        capture_output=True, text=True, env=env, timeout=600,
+        [sys.executable, "-c", SCRIPT, json.dumps(sharded), str(tmp_path), str(TINY)],
+        capture_output=True, text=True, env=ENV8, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    two = json.loads(proc.stdout.strip().splitlines()[-1])
-    run(load_config(TINY, [*overrides, f"run_dir={tmp_path / 'd1'}"]))
-    one = read_metrics(tmp_path / "d1")
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
-    for ra, rb in zip(one, two, strict=True):
+    full, resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["step"] for r in full] == [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(full, resumed, strict=True):
         for k, va in ra.items():
-            if k.startswith(("timing/", "throughput/")) or va is None:
+            if not k.startswith(TIMING_PREFIXES):
+                assert rb[k] == va, (ra["step"], k, va, rb[k])
+    pa = read_safetensors(tmp_path / "full" / "hf_final" / "model.safetensors")
+    pb = read_safetensors(tmp_path / "resumed" / "hf_final" / "model.safetensors")
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert (pa[k] == pb[k]).all(), k
+    # The same run on one device (in-process): the same math up to summation order. The tiny
+    # config trains in FP8 (block recipe), where a split matmul's f32 order can flip an FP8
+    # rounding: measured 6.6e-4 relative on step 2's grad norm (sharded_check measures 4e-4
+    # on params); hence 5e-3. Two steps: later rollouts sample from weights that differ by
+    # rounding and may diverge.
+    run(load_config(TINY, [*overrides, f"run_dir={tmp_path / 'one'}", "train.stop_after=2"]))
+    one = read_metrics(tmp_path / "one")
+    assert [r["step"] for r in one] == [0, 1, 2]
+    for ra, rb in zip(one, full[:3], strict=True):
+        for k, va in ra.items():
+            if k.startswith(TIMING_PREFIXES) or va is None:
                 continue
-            # Same math, different reduction order across devices: f32 rounding only.
-            assert abs(va - rb[k]) <= 1e-4 * max(1.0, abs(va)), (ra["step"], k, va, rb[k])
+            assert abs(va - rb[k]) <= 5e-3 * max(1.0, abs(va)), (ra["step"], k, va, rb[k])

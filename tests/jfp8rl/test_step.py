@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jfp8rl.mesh import make_mesh, put_batch
+from jfp8rl.mesh import make_mesh, put_batch, replicated_layout
 from jfp8rl.rollout import pack
 from jfp8rl.step import OptimSettings, default_settings, gather_response, make_step_fns
 from losses.calibrated import CalibConfig, init_calib_state
@@ -64,7 +64,10 @@ def tiny():
         correction_level="token", tis_cap=2.0, group_size=4,
     )  # fmt: skip
     fns = make_step_fns(
-        graphdef, settings, OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999), make_mesh(1)
+        graphdef,
+        settings,
+        OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999),
+        replicated_layout(make_mesh(), params),
     )
     rng = np.random.default_rng(1)
     n, p, r = 8, 4, 3
@@ -88,7 +91,7 @@ def tiny():
 
 def test_prepare_matches_numpy_reference(tiny) -> None:
     cfg, graphdef, params, fns, batch = tiny
-    out = fns.prepare(params, None, put_batch(batch, make_mesh(1)))
+    out, _ = fns.prepare(params, None, put_batch(batch, make_mesh()), calibrate=True)
     # Old logprobs: the model's own per-token logprobs, moved to the response layout.
     from models.fp8 import get_recipe
 
@@ -116,20 +119,18 @@ def test_prepare_matches_numpy_reference(tiny) -> None:
 
 def test_nonfinite_update_is_skipped(tiny) -> None:
     cfg, graphdef, params, fns, batch = tiny
-    out = fns.prepare(params, None, put_batch(batch, make_mesh(1)))
+    out, _ = fns.prepare(params, None, put_batch(batch, make_mesh()))
     mb = {
         k: batch[k]
         for k in ("tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp")
     }
-    mb.update(
-        {k: np.asarray(out[k]) for k in ("old_logp", "old_logp_bf16", "advantages", "is_weights")}
-    )
+    mb.update({k: np.asarray(out[k]) for k in ("old_logp", "advantages", "is_weights")})
     opt_state = fns.optimizer.init(params)
     calib = lambda: init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2))  # noqa: E731
     copy = lambda t: jax.tree.map(lambda x: jnp.array(x, copy=True), t)  # noqa: E731
     # A finite mini-batch moves the params.
     st, mets = fns.update({"params": copy(params), "opt_state": opt_state, "calib": calib()},
-                          put_batch(mb, make_mesh(1)), False)  # fmt: skip
+                          put_batch(mb, make_mesh()), False)  # fmt: skip
     assert float(mets["actor/nonfinite"]) == 0.0
     moved = [
         not np.array_equal(a, b)
@@ -139,7 +140,7 @@ def test_nonfinite_update_is_skipped(tiny) -> None:
     # A NaN advantage makes loss and grads NaN: the update is skipped, params unchanged.
     bad = dict(mb, advantages=np.where(mb["response_mask"] > 0, np.nan, 0.0).astype(np.float32))
     st, mets = fns.update({"params": copy(params), "opt_state": fns.optimizer.init(params), "calib": calib()},
-                          put_batch(bad, make_mesh(1)), False)  # fmt: skip
+                          put_batch(bad, make_mesh()), False)  # fmt: skip
     assert float(mets["actor/nonfinite"]) == 1.0
     for a, b in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

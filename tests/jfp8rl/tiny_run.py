@@ -27,3 +27,29 @@ def small(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         "logging.console=none",
         *extra,
     ]
+
+
+def random_batch(n: int, p: int, r: int, seed: int, vocab: int = 256) -> dict:
+    """A packed batch of n samples (prompt <= p, response <= r tokens, right padded) with
+    unequal prompt and response lengths, rewards in {0, 1} and rollout logprobs: the layout of
+    `jfp8rl.rollout.pack`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, size=(n, p + r)).astype(np.int32)
+    plen = rng.integers(2, p + 1, size=n).astype(np.int32)
+    rlen = rng.integers(1, r + 1, size=n).astype(np.int32)
+    attn = np.zeros((n, p + r), np.int32)
+    resp_mask = np.zeros((n, r), np.float32)
+    for i in range(n):
+        attn[i, : plen[i] + rlen[i]] = 1
+        resp_mask[i, : rlen[i]] = 1
+    return {
+        "tokens": tokens,
+        "attention_mask": attn,
+        "prompt_lens": plen,
+        "response_mask": resp_mask,
+        "rollout_logp": (-rng.uniform(0.5, 8.0, size=(n, r)) * resp_mask).astype(np.float32),
+        "rewards": rng.integers(0, 2, size=n).astype(np.float32),
+        "response_lens": rlen,
+    }

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
+from losses.masked import agg_denominator
 from losses.policy import policy_loss
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -322,6 +323,13 @@ class MaskingAndReductionTest(chex.TestCase):
                 for s in (slice(0, 3), slice(3, 8))
             )
             np.testing.assert_allclose(summed, full, rtol=1e-5)
+            # The mask-only denominator the micro-batched trainer passes in, by hand: tokens
+            # (token-mean) or non-empty sequences (seq-*).
+            m = np.asarray(mask) != 0
+            want = m.sum() if agg == "token-mean" else m.any(axis=1).sum()
+            assert (
+                float(agg_denominator(mask, agg)) == float(want) == float(aux["actor/pg_loss_den"])
+            )
             clipped = sum(p["actor/sum/clipped"] for p in parts) / sum(
                 p["actor/sum/tokens"] for p in parts
             )

@@ -51,14 +51,14 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path):
 def test_name_map_layout_and_tied_head():
     cfg, _, params = tiny("tiny_llama")
     sd = to_hf_state_dict(cfg, params)
-    assert [n for n, _, _ in hf_name_map(cfg)] == list(sd)
+    assert [row.name for row in hf_name_map(cfg)] == list(sd)
     # HF layout [out, in]: q_proj maps hidden -> heads * head_dim.
     assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 64)
     assert sd["model.layers.1.mlp.down_proj.weight"].shape == (64, 128)
     assert sd["lm_head.weight"].shape == (512, 64)
     np.testing.assert_array_equal(
         sd["model.layers.0.mlp.up_proj.weight"],
-        np.asarray(params["model"]["layers"][0]["mlp"]["up_proj"]["kernel"][...]).T,
+        np.asarray(params["model"]["layers"]["mlp"]["up_proj"]["kernel"][...][0]).T,
     )
     tied_cfg, _, tied = tiny("tiny_qwen2")
     tied_sd = to_hf_state_dict(tied_cfg, tied)

@@ -8,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _jaxpr_walk import max_intermediate_size
 from _model_testlib import forward, left_padded_batch, log_softmax64, tiny
 
 from models import fp8
@@ -84,20 +85,6 @@ class TokenLogprobsTest(chex.TestCase):
         chex.assert_trees_all_close(g_chunked, g_naive, atol=1e-6, rtol=1e-5)
 
 
-def _max_intermediate_size(jaxpr) -> int:
-    """Largest array any equation of a jaxpr (and its sub-jaxprs: scan, remat, pjit) makes."""
-    best = 0
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            best = max(best, int(np.prod(getattr(v.aval, "shape", ()))))
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    best = max(best, _max_intermediate_size(inner))
-    return best
-
-
 def test_no_full_logits_block_in_forward_or_backward():
     """With a vocabulary much wider than the model, nothing of size B*T*V is ever built."""
     cfg, _, _ = tiny("tiny_qwen3")
@@ -111,25 +98,5 @@ def test_no_full_logits_block_in_forward_or_backward():
         return F.token_logprobs(graphdef, p, tokens, mask, recipe=fp8.BF16, chunk_size=chunk).sum()
 
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params).jaxpr
-    biggest = _max_intermediate_size(jaxpr)
+    biggest = max_intermediate_size(jaxpr)
     assert biggest < b * t * cfg.vocab_size // 2
-
-
-def test_remat_gives_the_same_loss_and_gradients():
-    cfg, graphdef, params = tiny("tiny_qwen3")
-    graphdef_remat, _ = F.abstract_model(cfg.replace(remat=True))
-    tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 2))
-
-    def loss(p, g):
-        return F.token_logprobs(g, p, tokens, mask, recipe=fp8.BF16, chunk_size=4).sum()
-
-    def n_remat_eqns(g) -> int:  # top level only: the logprob chunks' checkpoint is in a scan
-        eqns = jax.make_jaxpr(loss, static_argnums=1)(params, g).jaxpr.eqns
-        return sum(e.primitive.name in ("remat2", "checkpoint", "remat") for e in eqns)
-
-    assert (n_remat_eqns(graphdef), n_remat_eqns(graphdef_remat)) == (0, cfg.num_layers)
-    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    l0, g0 = grad(params, graphdef)
-    l1, g1 = grad(params, graphdef_remat)
-    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
-    chex.assert_trees_all_close(g1, g0, atol=1e-6, rtol=1e-5)

@@ -18,9 +18,9 @@ import pytest
 from models import functional as mf
 from models.config import get_config
 from models.fp8 import get_recipe
-from models.hf_io import from_hf_state_dict, random_hf_state_dict
+from models.hf_io import from_hf_state_dict, hf_name_map, random_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
-from rollout_bridge.engine import EmbeddedBackend, bucket, dense_hf_state
+from rollout_bridge.engine import EmbeddedBackend, bucket, served_params
 
 EOS = 256
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -212,6 +212,37 @@ def test_score_equals_token_logprobs(model, engine):
         np.testing.assert_array_equal(rk, np.concatenate([[1], want_rank]))
 
 
+def test_engine_owns_its_weights(model, engine):
+    """The caller's param buffers may be donated or deleted (the trainer donates its state)."""
+    cfg, graphdef, params, _ = model
+    mine = jax.tree.map(jnp.copy, params)
+    own = EmbeddedBackend(cfg, graphdef, mine, recipe="fp8_block", eos_id=None, max_len=256)
+    jax.tree.map(lambda x: x.delete(), mine)
+    seqs = [[1, 2, 3, 4, 5], [9]]
+    for a, b in zip(own.score(seqs), engine.score(seqs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    own.close()
+
+
+def test_engine_without_weights_until_a_streamed_push(model, tmp_path):
+    """params=None: refused until the first push; a push may stream (name, array) pairs
+    (`iter_hf_state`), and then scores like the engine built with those weights (fp32 export)."""
+    from models.hf_io import iter_hf_state
+
+    cfg, graphdef, params, _ = model
+    eng = EmbeddedBackend(
+        cfg, graphdef, None, eos_id=None, export_root=tmp_path, export_format="fp32"
+    )
+    with pytest.raises(RolloutError, match="no weights yet.*push_weights"):
+        eng.score([[1, 2, 3]])
+    eng.push_weights(iter_hf_state(cfg, params), "v1")
+    ref = EmbeddedBackend(cfg, graphdef, params, eos_id=None)
+    seqs = [[1, 2, 3, 4, 5], [9]]
+    for a, b in zip(eng.score(seqs), ref.score(seqs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert eng.weight_version() == "v1"
+
+
 def test_errors_name_the_problem(engine):
     with pytest.raises(RolloutError, match="max_len"):
         engine.generate([[1] * 250], SamplingParams(max_tokens=10))
@@ -283,18 +314,39 @@ def test_fp8_export_round_trip(tmp_path):
     assert EmbeddedBackend(cfg, graphdef, params, eos_id=EOS).export_format == "fp8"
 
     tensors, manifest = load_export(tmp_path / "fp8" / "fp8-1")
-    dense = dense_hf_state(tensors, manifest["quantization_config"])
+    served = served_params(cfg, tensors, manifest["quantization_config"])
+    assert isinstance(served, type(eng.params))
     n_linear = 0
-    for name, w in hf.items():
-        if name + "_scale_inv" not in tensors:
+    for row in hf_name_map(cfg):
+        if row.name + "_scale_inv" not in tensors:
             continue
         n_linear += 1
-        q, s = fp8.quantize_weight(jnp.asarray(w), recipe)
-        np.testing.assert_array_equal(dense[name], np.asarray(fp8.dequantize(q, s, (128, 128))))
-        q2, s2 = fp8.quantize_weight(jnp.asarray(dense[name]), recipe)
+        stored = served
+        for key in row.path:
+            stored = stored[key]
+        stored = stored.get_value()
+        assert isinstance(stored, fp8.StoredFP8Weight) and stored.q.dtype == jnp.float8_e4m3fn
+        dense = np.asarray(fp8.dense_weights(jax.tree.map(lambda x, i=row.layer: x[i], stored))).T
+        q, s = fp8.quantize_weight(jnp.asarray(hf[row.name]), recipe)
+        np.testing.assert_array_equal(dense, np.asarray(fp8.dequantize(q, s, (128, 128))))
+        q2, s2 = fp8.quantize_weight(jnp.asarray(dense), recipe)
         np.testing.assert_array_equal(np.asarray(q2, np.float32), np.asarray(q, np.float32))
         np.testing.assert_allclose(np.asarray(s2), np.asarray(s), rtol=2**-23, atol=0)
     assert n_linear == 7 * cfg.num_layers
+    # Compact (e4m3 + bf16) holds ~1/3 of the f32 bytes here (vocab-heavy tiny model), and it
+    # scores exactly like the f32 widening of the same tensors.
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(served))
+    assert nbytes < 0.5 * sum(x.nbytes for x in jax.tree.leaves(params))
+    widened = {n: np.asarray(x, np.float32) for n, x in tensors.items()}
+    dense_eng = EmbeddedBackend(cfg, graphdef, params, eos_id=EOS)
+    dense_eng.params = served_params(cfg, widened, manifest["quantization_config"])
+    np.testing.assert_array_equal(np.stack(dense_eng.score(seqs)), np.stack(eng.score(seqs)))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)  # prefill + decode on FP8 codes
+    for a, b in zip(
+        eng.generate(PROMPTS, greedy), dense_eng.generate(PROMPTS, greedy), strict=True
+    ):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
 def test_default_export_folder_keeps_one_version_and_close_removes_it(model):

@@ -1,0 +1,125 @@
+"""Scanned layers: equal to a per-layer Python loop over the stacked params (logits and
+gradients, f32), remat policies change nothing numerically, and the program does not grow
+with depth."""
+
+from __future__ import annotations
+
+import time
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _jaxpr_walk import all_eqns
+from _model_testlib import left_padded_batch, tiny
+from flax import nnx
+
+from models import fp8
+from models import functional as F
+from models.attention import causal_self_attention
+from models.config import get_config
+from models.decoder import rope_cos_sin, rope_inv_freq
+
+
+def unrolled_logits(graphdef, params, tokens, mask):
+    """The test's reference: layer i = merge(layer params [i]) applied in a Python loop."""
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    dot_general = fp8.make_dot_general(fp8.BF16)
+    cos, sin = rope_cos_sin(F.positions_from_mask(mask), rope_inv_freq(cfg))
+    x = model.model.embed_tokens(tokens).astype(cfg.compute_dtype)
+    layer_def, layer_params = nnx.split(model.model.layers)
+
+    def attend(q, k, v, carry):
+        out = causal_self_attention(q, k, v, mask, impl=cfg.attention, chunk=cfg.attention_chunk)
+        return out, carry
+
+    for i in range(cfg.num_layers):
+        layer = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_params))
+        x, _ = layer(x, cos, sin, attend, None, dot_general)
+    h = model.model.norm(x)
+    return jnp.einsum("btd,dv->btv", h, model.head_kernel(), preferred_element_type=jnp.float32)
+
+
+# qwen2: qkv biases and a tied head; qwen3: q/k norms (llama adds nothing the scan touches).
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
+def test_scan_equals_per_layer_loop(name):
+    cfg, _, params = tiny(name)
+    cfg = cfg.replace(num_layers=3, attention="reference")
+    graphdef, params = F.init_model(cfg, 1)
+    tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 3))
+    scanned = jax.jit(F.forward, static_argnums=0, static_argnames="recipe")
+    np.testing.assert_allclose(
+        np.asarray(scanned(graphdef, params, tokens, mask, recipe=fp8.BF16)),
+        np.asarray(unrolled_logits(graphdef, params, tokens, mask)),
+        atol=1e-6,
+        rtol=0,
+    )
+    real = mask.astype(jnp.float32)[..., None]
+
+    def loss_scan(p):
+        return jnp.sum(F.forward(graphdef, p, tokens, mask, recipe=fp8.BF16) ** 2 * real) * 1e-3
+
+    def loss_loop(p):
+        return jnp.sum(unrolled_logits(graphdef, p, tokens, mask) ** 2 * real) * 1e-3
+
+    g_scan = jax.jit(jax.grad(loss_scan))(params)
+    g_loop = jax.jit(jax.grad(loss_loop))(params)
+    chex.assert_trees_all_close(g_scan, g_loop, atol=1e-6, rtol=1e-5)
+
+
+def test_layers_are_stacked_and_distinct():
+    cfg, _, params = tiny("tiny_qwen3")
+    q = np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...])
+    assert q.shape == (cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+    assert not np.array_equal(q[0], q[1])  # each layer has its own random init
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+def test_remat_policies_give_the_same_loss_and_gradients(policy):
+    cfg, graphdef, params = tiny("tiny_qwen3")
+    graphdef_remat, _ = F.abstract_model(cfg.replace(remat=policy))
+    tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 2))
+
+    def loss(p, g):
+        return F.token_logprobs(g, p, tokens, mask, recipe=fp8.BF16, chunk_size=4).sum()
+
+    def n_remat(g) -> int:
+        jaxpr = jax.make_jaxpr(jax.grad(loss), static_argnums=1)(params, g).jaxpr
+        return sum(e.primitive.name in ("remat2", "checkpoint", "remat") for e in all_eqns(jaxpr))
+
+    # The logprob chunks carry one checkpoint of their own; the layer scan adds one (not L).
+    assert n_remat(graphdef_remat) == n_remat(graphdef) + 1
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    l0, g0 = grad(params, graphdef)
+    l1, g1 = grad(params, graphdef_remat)
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    chex.assert_trees_all_close(g1, g0, atol=1e-6, rtol=1e-5)
+
+
+def test_remat_must_be_a_policy_name():
+    with pytest.raises(ValueError, match="remat=True.*'none', 'full', 'save_dots'"):
+        get_config("tiny_qwen3", remat=True)
+
+
+def _compiled_grad(num_layers: int) -> tuple[int, float]:
+    """(HLO text size, compile seconds) of value_and_grad of the logprobs of a 128-wide model."""
+    cfg = get_config("tiny_qwen3", num_layers=num_layers, compute_dtype=jnp.float32)
+    graphdef, params = F.abstract_model(cfg)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+
+    def loss(p, tok):
+        return F.token_logprobs(graphdef, p, tok, jnp.ones_like(tok), recipe=fp8.BF16).sum()
+
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, tokens)
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    return len(compiled.as_text()), time.perf_counter() - t0
+
+
+def test_program_size_does_not_grow_with_depth():
+    size_2, _ = _compiled_grad(2)
+    size_24, _ = _compiled_grad(24)
+    # Only the stacked shapes' text changes (e.g. f32[2,...] vs f32[24,...]).
+    assert size_24 < 1.05 * size_2, (size_2, size_24)
