@@ -244,6 +244,9 @@ class CalibrationConfig:
     mode: str = "track"
     # "balance" (match BF16's positive/negative balance) or "quantile".
     upper_rule: str = "balance"
+    # Target of the balance rule: "absolute" (BF16 balance) or "relative" (BF16 share of kept
+    # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated.py).
+    balance: str = "absolute"
 
     def __post_init__(self) -> None:
         _check_positive("calibration", "every", self.every)
@@ -256,6 +259,7 @@ class CalibrationConfig:
             )
         _check_choice("calibration", "mode", self.mode, ("track", "hold"))
         _check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile"))
+        _check_choice("calibration", "balance", self.balance, ("absolute", "relative"))
 
 
 @dataclasses.dataclass

@@ -187,7 +187,7 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
     c = cfg.calibration
     calib_cfg = cal.CalibConfig(
         eps_low=a.eps_low, eps_high=a.eps_high, every=c.every, ema=c.ema,
-        range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule,
+        range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule, balance=c.balance,
     )  # fmt: skip
     n_samples = cfg.data.batch_size * cfg.rollout.n
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches
