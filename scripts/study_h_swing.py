@@ -98,7 +98,7 @@ def table(run_dirs: list[str]) -> str:
     return "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n"
 
 
-def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
+def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run: str = "") -> str:
     """Per-position reference stats of one rollout batch (module docstring)."""
     import dataclasses
 
@@ -114,6 +114,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
     from jfp8rl.templates import PromptFormat
     from losses import calibrated as cal
     from losses.registry import get_algorithm
+    from models.hf_io import to_hf_state_dict
 
     t0 = time.perf_counter()
     cfg = load_config(config, overrides)
@@ -135,11 +136,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
         overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
         overlong_penalty=cfg.reward.overlong_penalty,
     )  # fmt: skip
-    backend = make_backend(cfg, policy, Path(cfg.run_dir))
-    batch, _, _ = collect(
-        backend, PromptStream(train_set, cfg.data.seed), 0, fmt, get_verifier(cfg.reward.kind),
-        settings, seed=cfg.train.seed * 1_000_003 + 101, version="base",
-    )  # fmt: skip
+    position, step = 0, 1
     a, c = cfg.algorithm, cfg.calibration
     algo = dataclasses.replace(
         get_algorithm(a.name), eps_low=a.eps_low, eps_high=a.eps_high,
@@ -165,13 +162,34 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
         ),
         opt, mesh,
     )  # fmt: skip
+    params0 = jax.device_put(policy.params, mesh_lib.replicated(mesh))
+    opt0 = fns.optimizer.init(params0)
+    if from_run:  # mid-training: the run's latest checkpoint, its next step's batch
+        from jfp8rl.checkpoint import Checkpointer
+
+        ck = Checkpointer(from_run, keep=1000)
+        like = {
+            "params": params0, "opt_state": opt0, "calib": cal.init_calib_state(calib_cfg),
+            "rng": jax.random.key_data(jax.random.key(0)),
+        }  # fmt: skip
+        last = ck.latest_step()
+        restored, meta = ck.restore(last, like)
+        ck.close()
+        params0, opt0 = restored["params"], restored["opt_state"]
+        position, step = meta["data_position"], meta["step"] + 1
+    backend = make_backend(cfg, policy, Path(cfg.run_dir))
+    backend.push_weights(to_hf_state_dict(policy.cfg, params0), f"step-{step - 1}")
+    batch, _, _ = collect(
+        backend, PromptStream(train_set, cfg.data.seed), position, fmt,
+        get_verifier(cfg.reward.kind), settings,
+        seed=cfg.train.seed * 1_000_003 + step * 101, version=f"step-{step - 1}",
+    )  # fmt: skip
     host = {
         "tokens": batch.tokens, "attention_mask": batch.attention_mask,
         "prompt_lens": batch.prompt_lens, "response_mask": batch.response_mask,
         "rollout_logp": batch.rollout_logp, "rewards": batch.rewards,
         "response_lens": batch.response_lens,
     }  # fmt: skip
-    params0 = jax.device_put(policy.params, mesh_lib.replicated(mesh))
     prep = fns.prepare(params0, None, mesh_lib.put_batch(host, mesh))
     prep.pop("metrics")
     full = {**host, **{k: np.asarray(v) for k, v in prep.items()}}
@@ -199,7 +217,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
     for sh in range(shuffles):
         state = {
             "params": jax.tree.map(lambda x: x.copy(), params0),
-            "opt_state": fns.optimizer.init(params0),
+            "opt_state": jax.tree.map(lambda x: x.copy(), opt0),
             "calib": cal.init_calib_state(calib_cfg),
         }
         pos = 0
@@ -219,7 +237,8 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int) -> str:
     backend.close()
 
     out = [
-        f"probe: {config} {' '.join(overrides)}; one batch of {n_samples} samples "
+        f"probe: {config} {' '.join(overrides)}"
+        f"{f' --from-run {from_run}' if from_run else ''}; step {step}'s batch of {n_samples} samples "
         f"({int(mask.sum())} response tokens), {shuffles} shuffles, mini-batch {mb_size} "
         f"samples; {time.perf_counter() - t0:.0f} s",
         "",
@@ -260,12 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--shuffles", type=int, default=4)
     p.add_argument("--draws", type=int, default=2000)
+    p.add_argument("--from-run", default="", help="start from this run's latest checkpoint")
     p.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.cmd == "table":
         print(table(args.run_dirs), end="")
     else:
-        print(probe(args.config, args.overrides, args.shuffles, args.draws), end="")
+        print(probe(args.config, args.overrides, args.shuffles, args.draws, args.from_run), end="")
     return 0
 
 
