@@ -108,7 +108,10 @@ class CalibConfig:
     every: int = 20  # calibrate (BF16 shadow pass) every `every` trainer steps
     ema: float = 0.9  # smoothing weight of the previous bound
     range: tuple[float, float] = (0.6, 1.8)  # clamps: L in [range[0], 1], H in [1, range[1]]
-    mode: str = "track"  # "track": re-solve L, H per mini-batch; "hold": keep them
+    # "hold": solve L, H on calibrating mini-batches only and keep them; "track": re-solve
+    # them per mini-batch from the stored alpha / p_ref (drifts with each mini-batch's
+    # advantage mix and PPO position: docs/fp8_study.md).
+    mode: str = "hold"
     upper_rule: str = "balance"  # "balance" or "quantile"
     # Balance target of the "balance" upper rule: "absolute" (BF16 balance p_ref, the spec's
     # literal rule) or "relative" (BF16 share of kept P mass over kept N mass; cancels the

@@ -45,18 +45,21 @@ def _fmt(x: float, d: int = 3) -> str:
 def table(run_dirs: list[str]) -> str:
     """The markdown evidence tables of the given runs."""
     head1 = (
-        "| run | mode | balance | H mean | H std | H min..max | steps H<=1.05 | steps H>=1.75 "
+        "| run | steps | mode | balance | H mean | H std | H min..max | steps H<=1.05 | steps H>=1.75 "
         "| L mean | L std | clip A>0 above H (of P) mean / max | clip A<0 below L (of N) mean "
-        "| eval acc (last 2) | train wall (min) |"
+        "| eval acc: final (step) / mean of last 2 / mean of steps >= 100 | train wall (min) |"
     )
     head2 = (
         "| run | calibrations | stored p_ref min..max | p_ref CV | stored alpha min..max "
         "| corr(p_ref, mean H of window) | corr(alpha, mean L of window) |"
     )
-    t1, t2 = [head1, "|" + "---|" * 14], [head2, "|" + "---|" * 7]
+    t1, t2 = [head1, "|" + "---|" * 15], [head2, "|" + "---|" * 7]
     for rd in run_dirs:
         rows, cfg = _load(Path(rd))
         c = cfg["calibration"]
+        plain = cfg["algorithm"]["clip"] == "plain"
+        mode = "plain clip" if plain else c["mode"]
+        bal = "-" if plain else c.get("balance", "absolute")
         every = int(c["every"])
         lo_hi = (float(c["range_lo"]), float(c["range_hi"]))
         steps = [r for r in rows if "calib/upper" in r]
@@ -66,16 +69,21 @@ def table(run_dirs: list[str]) -> str:
         lo = np.array([r["calib/lower"] for r in steps])
         cpu = np.array([r["actor/clipfrac_pos_upper_of_pos"] for r in steps])
         cnl = np.array([r["actor/clipfrac_neg_lower_of_neg"] for r in steps])
-        evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         wall = sum(r.get("timing/step_s", 0.0) for r in rows) / 60
+        late_evals = [e[1] for e in evals if e[0] >= 100]
+        late = f"{np.mean(late_evals):.3f}" if late_evals else "-"
         near_lo = np.mean(h <= 1.0 + CLAMP_TOL)
         near_hi = np.mean(h >= lo_hi[1] - CLAMP_TOL)
         t1.append(
-            f"| {Path(rd).name} | {c['mode']} | {c.get('balance', 'absolute')} | {_fmt(h.mean())} "
+            f"| {Path(rd).name} | {steps[-1]['step']} | {mode} | {bal} | {_fmt(h.mean())} "
             f"| {_fmt(h.std())} | {_fmt(h.min())}..{_fmt(h.max())} | {near_lo:.0%} | {near_hi:.0%} "
             f"| {_fmt(lo.mean())} | {_fmt(lo.std())} | {cpu.mean():.1%} / {cpu.max():.1%} "
-            f"| {cnl.mean():.1%} | {np.mean(evals[-2:]):.3f} | {wall:.1f} |"
+            f"| {cnl.mean():.1%} | {evals[-1][1]:.3f} ({evals[-1][0]}) / "
+            f"{np.mean([e[1] for e in evals[-2:]]):.3f} / {late} | {wall:.1f} |"
         )
+        if plain:
+            continue
         # The stats stored by calibration k are those in force on the step after it (step
         # k * every + 2), through the window of `every` steps that follows.
         cal_steps = [s for s in range(1, len(rows), every)]

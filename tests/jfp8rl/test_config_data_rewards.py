@@ -149,3 +149,13 @@ def test_score_responses_adds_shaping_to_correctness() -> None:
     )
     np.testing.assert_allclose(c, [1, 0, 1])
     np.testing.assert_allclose(r, [1, 0, 0])
+
+
+def test_calibration_defaults_agree_with_the_loss_config_and_the_tiny_run() -> None:
+    # One default, chosen by docs/fp8_study.md ("Why the calibrated upper bound swung").
+    from losses.calibrated import CalibConfig
+
+    want = CalibConfig()
+    for c in (Config().calibration, load_config(REPO / "configs" / "tiny_cpu.yaml").calibration):
+        assert (c.mode, c.upper_rule, c.balance) == (want.mode, want.upper_rule, want.balance)
+    assert want.mode == "hold"

@@ -14,7 +14,8 @@ from absl.testing import parameterized
 
 from losses import calibrated as C
 
-CFG = C.CalibConfig(eps_low=0.2, eps_high=0.28)
+# The spec's literal rules (track mode, absolute balance); the defaults are tested by name.
+CFG = C.CalibConfig(eps_low=0.2, eps_high=0.28, mode="track", balance="absolute")
 # Jitted once per config and shape (cfg is static): eager dispatch of the solver is slow.
 CALIB = jax.jit(C.calibrate, static_argnums=1)
 BOUNDS = jax.jit(C.current_bounds, static_argnums=1)
