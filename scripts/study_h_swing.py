@@ -47,13 +47,14 @@ def table(run_dirs: list[str]) -> str:
     head1 = (
         "| run | steps | mode | balance | H mean | H std | H min..max | steps H<=1.05 | steps H>=1.75 "
         "| L mean | L std | clip A>0 above H (of P) mean / max | clip A<0 below L (of N) mean "
-        "| eval acc: final (step) / mean of last 2 / mean of steps >= 100 | train wall (min) |"
+        "| eval acc: final (step) / mean of last 2 / mean of steps >= 100 | sum of step times (min) "
+        "| wall clock (min) |"
     )
     head2 = (
         "| run | calibrations | stored p_ref min..max | p_ref CV | stored alpha min..max "
         "| corr(p_ref, mean H of window) | corr(alpha, mean L of window) |"
     )
-    t1, t2 = [head1, "|" + "---|" * 15], [head2, "|" + "---|" * 7]
+    t1, t2 = [head1, "|" + "---|" * 16], [head2, "|" + "---|" * 7]
     for rd in run_dirs:
         rows, cfg = _load(Path(rd))
         c = cfg["calibration"]
@@ -71,6 +72,12 @@ def table(run_dirs: list[str]) -> str:
         cnl = np.array([r["actor/clipfrac_neg_lower_of_neg"] for r in steps])
         evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
         wall = sum(r.get("timing/step_s", 0.0) for r in rows) / 60
+        # From the resolved config (written at the start) to the last metrics line: includes
+        # the compiles and evals, and the load of the shared machine.
+        clock = (
+            (Path(rd) / "metrics.jsonl").stat().st_mtime
+            - (Path(rd) / "config.yaml").stat().st_mtime
+        ) / 60
         late_evals = [e[1] for e in evals if e[0] >= 100]
         late = f"{np.mean(late_evals):.3f}" if late_evals else "-"
         near_lo = np.mean(h <= 1.0 + CLAMP_TOL)
@@ -80,7 +87,7 @@ def table(run_dirs: list[str]) -> str:
             f"| {_fmt(h.std())} | {_fmt(h.min())}..{_fmt(h.max())} | {near_lo:.0%} | {near_hi:.0%} "
             f"| {_fmt(lo.mean())} | {_fmt(lo.std())} | {cpu.mean():.1%} / {cpu.max():.1%} "
             f"| {cnl.mean():.1%} | {evals[-1][1]:.3f} ({evals[-1][0]}) / "
-            f"{np.mean([e[1] for e in evals[-2:]]):.3f} / {late} | {wall:.1f} |"
+            f"{np.mean([e[1] for e in evals[-2:]]):.3f} / {late} | {wall:.1f} | {clock:.1f} |"
         )
         if plain:
             continue
