@@ -256,10 +256,14 @@ class CalibrationConfig:
     # Clamp range [range_lo, range_hi] of the calibrated bounds.
     range_lo: float = 0.6
     range_hi: float = 1.8
-    # "track": recompute L, H every mini-batch from stored alpha, p_ref; "hold": keep L, H.
-    mode: str = "track"
+    # "hold" (default): L, H from calibrating mini-batches, kept between calibrations;
+    # "track": recompute L, H every mini-batch from stored alpha, p_ref (docs/fp8_study.md).
+    mode: str = "hold"
     # "balance" (match BF16's positive/negative balance) or "quantile".
     upper_rule: str = "balance"
+    # Target of the balance rule: "absolute" (BF16 balance) or "relative" (BF16 share of kept
+    # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated.py).
+    balance: str = "absolute"
 
     def __post_init__(self) -> None:
         _check_positive("calibration", "every", self.every)
@@ -272,6 +276,7 @@ class CalibrationConfig:
             )
         _check_choice("calibration", "mode", self.mode, ("track", "hold"))
         _check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile"))
+        _check_choice("calibration", "balance", self.balance, ("absolute", "relative"))
 
 
 @dataclasses.dataclass

@@ -162,7 +162,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
     c = cfg.calibration
     calib_cfg = cal.CalibConfig(
         eps_low=a.eps_low, eps_high=a.eps_high, every=c.every, ema=c.ema,
-        range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule,
+        range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule, balance=c.balance,
     )  # fmt: skip
     s = default_settings(
         algo, train_recipe=cfg.train.recipe, calibrated=a.clip == "calibrated",

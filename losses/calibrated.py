@@ -6,11 +6,17 @@ tokens (calibration steps only), A the token advantages, N = {A < 0}, P = {A > 0
 
     balance(l, h, r)  = sum_{t in P, r_t < h} A_t r_t  /  sum_{t in N, r_t > l} |A_t| r_t
                         (0 when the denominator is 0)
+    share(l, h, r)    = balance(l, h, r) / balance(0, inf, r)
+                      = (share of P's mass A r kept below h) / (share of N's mass kept above l)
     reference stats   alpha   = mean_{t in N} [r16_t < 1 - eps_low]    (BF16 lower clip share)
-                      p_ref   = balance(1 - eps_low, 1 + eps_high, r16)
+                      p_ref   = balance(1 - eps_low, 1 + eps_high, r16)   (`balance: absolute`)
+                              = share(1 - eps_low, 1 + eps_high, r16)     (`balance: relative`)
                       beta_up = mean_{t in P} [r16_t > 1 + eps_high]   (BF16 upper clip share)
     lower bound       L: an alpha-quantile of {r8_t : t in N}, clamped to [range_lo, 1]
-    upper bound       balance rule : the smallest h >= 1 with balance(L, h, r8) >= p_ref,
+    upper bound       balance rule : the smallest h >= 1 with balance(L, h, r8) >= target,
+                                     target = p_ref                         (absolute)
+                                            = p_ref * balance(0, inf, r8)   (relative: the
+                                              smallest h with share(L, h, r8) >= p_ref),
                       quantile rule: a (1 - beta_up)-quantile of {r8_t : t in P};
                       clamped to [1, range_hi]
     smoothing         L <- ema * L_prev + (1 - ema) * L_new, same for H
@@ -32,6 +38,16 @@ Choices made here (where the spec leaves room), all static-shaped and NaN-free:
   exactly. The target is p_ref * den * (1 - `cfg.solver_rtol`) (1e-5) against float32
   summation-order noise. If no h <= range_hi reaches p_ref, H = range_hi (the h with the
   highest balance).
+* Absolute vs relative balance. The absolute balance of a mini-batch is dominated by its
+  advantage mix (which sequences of which groups landed in it, their lengths), not by the
+  ratios: at r = 1 it is sum_P A / sum_N |A| over its tokens, which spreads by tens of percent
+  over random quarters of one step's batch (group-normalised A sums to 0 per group only over
+  the whole group). In `track` mode the stored p_ref comes from another mini-batch, so the
+  absolute rule chases that mix difference and drives H to a clamp (docs/fp8_study.md, "Why
+  the calibrated upper bound swung"). The relative rule matches the ratio of kept shares,
+  which the mix cancels from: it is invariant to scaling all A of P (or of N) by a constant,
+  and on its own batch its target differs from the absolute one only by the FP8 vs BF16
+  difference of the unclipped balance (so FP8 == BF16 ratios still give the plain bounds).
 * Quantile rule: m = round(beta_up |P|); H in [y_(|P|-m-1), y_(|P|-m)) leaves exactly m
   tokens of P above H (clipped: r > H); the point nearest to 1 + eps_high.
 * Fallbacks: the plain bound is used for L when N is empty (in the batch or in the reference),
@@ -60,7 +76,9 @@ Metrics (`calib/*`, DESIGN.md section 8; shares of N / P, not of all tokens):
     calib/fp8_clipfrac_neg_lower_plain|calibrated  share of N with r8 < 1 - eps_low | < L
     calib/balance_fp8_plain                      balance(1 - eps_low, 1 + eps_high, r8)
     calib/balance_fp8_calibrated                 balance(L, H, r8)
-    calib/balance_bf16                           = p_ref of this calibration
+    calib/balance_fp8_unclipped                  balance(0, inf, r8): the advantage mix term
+    calib/balance_bf16                           balance(1 - eps_low, 1 + eps_high, r16) of
+                                                 this calibration (= p_ref when absolute)
     calib/updated                                1 when this call moved the bounds
 """
 
@@ -90,13 +108,21 @@ class CalibConfig:
     every: int = 20  # calibrate (BF16 shadow pass) every `every` trainer steps
     ema: float = 0.9  # smoothing weight of the previous bound
     range: tuple[float, float] = (0.6, 1.8)  # clamps: L in [range[0], 1], H in [1, range[1]]
-    mode: str = "track"  # "track": re-solve L, H per mini-batch; "hold": keep them
+    # "hold": solve L, H on calibrating mini-batches only and keep them; "track": re-solve
+    # them per mini-batch from the stored alpha / p_ref (drifts with each mini-batch's
+    # advantage mix and PPO position: docs/fp8_study.md).
+    mode: str = "hold"
     upper_rule: str = "balance"  # "balance" or "quantile"
+    # Balance target of the "balance" upper rule: "absolute" (BF16 balance p_ref, the spec's
+    # literal rule) or "relative" (BF16 share of kept P mass over kept N mass; cancels the
+    # mini-batch's advantage mix, see the module docstring).
+    balance: str = "absolute"
     solver_rtol: float = 1e-5  # relative slack of the balance target (float32 summation noise)
 
     def __post_init__(self) -> None:
         check_choice("CalibConfig.mode", self.mode, ("track", "hold"))
         check_choice("CalibConfig.upper_rule", self.upper_rule, ("balance", "quantile"))
+        check_choice("CalibConfig.balance", self.balance, ("absolute", "relative"))
         if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
             raise ValueError(
                 f"CalibConfig.eps_low must be in [0, 1) and eps_high >= 0, got "
@@ -130,7 +156,7 @@ class CalibState:
     lower: Float[Array, ""]  # current lower bound L
     upper: Float[Array, ""]  # current upper bound H
     alpha: Float[Array, ""]  # BF16 share of N below 1 - eps_low (last calibration)
-    p_ref: Float[Array, ""]  # BF16 balance at the plain bounds (last calibration)
+    p_ref: Float[Array, ""]  # BF16 balance (or share, `balance: relative`) at the plain bounds
     beta_up: Float[Array, ""]  # BF16 share of P above 1 + eps_high (last calibration)
     alpha_ok: Bool[Array, ""]  # alpha was defined (N non-empty) at some calibration
     p_ref_ok: Bool[Array, ""]  # p_ref was defined (N, P non-empty, denominator > 0)
@@ -197,6 +223,25 @@ def balance(
     return safe_div(num, den)
 
 
+def _unclipped_balance(r: Array, adv: Array, on: Array) -> Array:
+    """balance(0, inf, r): all of P over all of N (0 when N is empty)."""
+    return safe_div(*_balance_parts(-jnp.inf, jnp.inf, r, adv, on))
+
+
+def balance_share(
+    lo: float | Array,
+    hi: float | Array,
+    r: Float[Array, "B T"],
+    adv: Float[Array, "B T"],
+    mask: Array,
+) -> Array:
+    """share(lo, hi, r) = balance(lo, hi, r) / balance(0, inf, r): the share of P's mass
+    A r kept below `hi` over the share of N's mass |A| r kept above `lo`; 0 if undefined."""
+    r, adv, on = _prep(r, adv, mask, "r")
+    num, den = _balance_parts(jnp.asarray(lo, _F32), jnp.asarray(hi, _F32), r, adv, on)
+    return safe_div(safe_div(num, den), _unclipped_balance(r, adv, on))
+
+
 def _share(cond: Array, subset: Array) -> tuple[Array, Array]:
     n = jnp.sum(subset.astype(_F32))
     return safe_div(jnp.sum((cond & subset).astype(_F32)), n), n
@@ -205,16 +250,21 @@ def _share(cond: Array, subset: Array) -> tuple[Array, Array]:
 def reference_stats(
     r_bf16: Float[Array, "B T"], adv: Float[Array, "B T"], mask: Array, cfg: CalibConfig
 ) -> dict[str, Array]:
-    """alpha, p_ref, beta_up of the BF16 ratios and whether each is defined (`*_ok`)."""
+    """alpha, p_ref, beta_up of the BF16 ratios and whether each is defined (`*_ok`);
+    `balance_bf16` is the absolute BF16 balance at the plain bounds (= p_ref when absolute)."""
     r, adv, on = _prep(r_bf16, adv, mask, "r_bf16")
     lo, hi = cfg.plain_bounds
     neg, pos = on & (adv < 0), on & (adv > 0)
     alpha, n_neg = _share(r < lo, neg)
     beta_up, n_pos = _share(r > hi, pos)
     num, den = _balance_parts(jnp.asarray(lo, _F32), jnp.asarray(hi, _F32), r, adv, on)
+    p_ref = safe_div(num, den)
+    if cfg.balance == "relative":  # n_pos > 0 and den > 0 imply balance(0, inf) > 0
+        p_ref = safe_div(p_ref, _unclipped_balance(r, adv, on))
     return {
         "alpha": alpha,
-        "p_ref": safe_div(num, den),
+        "p_ref": p_ref,
+        "balance_bf16": safe_div(num, den),
         "beta_up": beta_up,
         "alpha_ok": n_neg > 0,
         "p_ref_ok": (n_neg > 0) & (n_pos > 0) & (den > 0),
@@ -252,7 +302,7 @@ def solve_bounds(
     if cfg.upper_rule == "balance":
         den = jnp.sum(jnp.where(neg & (v > lower), -a * v, 0.0))
         w = jnp.where(pos, a * v, 0.0)
-        target = stats["p_ref"] * den * (1.0 - cfg.solver_rtol)
+        target = _balance_target(stats["p_ref"], r, adv, on, cfg) * den * (1.0 - cfg.solver_rtol)
         h_min, found = search_min(v, w, target, 1.0, range_hi)
 
         def n_below(h: Array | float) -> Array:
@@ -279,6 +329,13 @@ def solve_bounds(
     return jax.lax.stop_gradient(lower), jax.lax.stop_gradient(upper)
 
 
+def _balance_target(p_ref: Array, r: Array, adv: Array, on: Array, cfg: CalibConfig) -> Array:
+    """The absolute balance(L, H, r8) that the balance rule solves H for in this batch."""
+    if cfg.balance == "relative":
+        return p_ref * _unclipped_balance(r, adv, on)
+    return p_ref
+
+
 def _stats_of(state: CalibState) -> dict[str, Array]:
     return {
         "alpha": state.alpha,
@@ -301,6 +358,7 @@ def _fp8_metrics(
         "calib/fp8_clipfrac_neg_lower_calibrated": _share(r < lo, neg)[0],
         "calib/balance_fp8_plain": safe_div(*_balance_parts(plain_lo, plain_hi, r, a, on)),
         "calib/balance_fp8_calibrated": safe_div(*_balance_parts(lo, hi, r, a, on)),
+        "calib/balance_fp8_unclipped": _unclipped_balance(r, a, on),
     }
 
 
@@ -346,7 +404,7 @@ def calibrate(
         "calib/beta_up": stats["beta_up"],
         "calib/bf16_clipfrac_neg_lower": ref["alpha"],
         "calib/bf16_clipfrac_pos_upper": ref["beta_up"],
-        "calib/balance_bf16": ref["p_ref"],
+        "calib/balance_bf16": ref["balance_bf16"],
         "calib/updated": jnp.asarray(1.0, _F32),
         **_fp8_metrics(lo, hi, r_fp8, adv, mask, cfg),
     }

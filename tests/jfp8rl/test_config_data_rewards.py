@@ -181,3 +181,13 @@ def test_resolve_mesh_shape() -> None:
         resolve_mesh_shape(3, -1, 1, 8)
     with pytest.raises(ValueError, match="needs 16 devices, only 8"):
         resolve_mesh_shape(1, 16, 1, 8)
+
+
+def test_calibration_defaults_agree_with_the_loss_config_and_the_tiny_run() -> None:
+    # One default, chosen by docs/fp8_study.md ("Why the calibrated upper bound swung").
+    from losses.calibrated import CalibConfig
+
+    want = CalibConfig()
+    for c in (Config().calibration, load_config(REPO / "configs" / "tiny_cpu.yaml").calibration):
+        assert (c.mode, c.upper_rule, c.balance) == (want.mode, want.upper_rule, want.balance)
+    assert want.mode == "hold"

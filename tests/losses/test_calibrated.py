@@ -14,7 +14,8 @@ from absl.testing import parameterized
 
 from losses import calibrated as C
 
-CFG = C.CalibConfig(eps_low=0.2, eps_high=0.28)
+# The spec's literal rules (track mode, absolute balance); the defaults are tested by name.
+CFG = C.CalibConfig(eps_low=0.2, eps_high=0.28, mode="track", balance="absolute")
 # Jitted once per config and shape (cfg is static): eager dispatch of the solver is slow.
 CALIB = jax.jit(C.calibrate, static_argnums=1)
 BOUNDS = jax.jit(C.current_bounds, static_argnums=1)
@@ -38,6 +39,11 @@ def np_balance(lo, hi, r, adv, mask):
     return num / den
 
 
+def np_kept_share(lo, hi, r, adv, mask):
+    """balance(lo, hi) / balance(0, inf): the relative balance, float64."""
+    return np_balance(lo, hi, r, adv, mask) / np_balance(-np.inf, np.inf, r, adv, mask)
+
+
 def np_share_below(lo, r, adv, mask):
     neg = (mask > 0) & (adv < 0)
     return np.mean(r[neg] < lo), neg.sum()
@@ -45,10 +51,12 @@ def np_share_below(lo, r, adv, mask):
 
 class PropertiesTest(chex.TestCase, parameterized.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.parameters("balance", "quantile")
-    def test_equal_ratios_give_plain_bounds(self, rule):
+    @parameterized.parameters(
+        ("balance", "absolute"), ("balance", "relative"), ("quantile", "absolute")
+    )
+    def test_equal_ratios_give_plain_bounds(self, rule, balance):
         _, r16, adv, mask = make_batch(0)
-        cfg = dataclasses.replace(CFG, upper_rule=rule)
+        cfg = dataclasses.replace(CFG, upper_rule=rule, balance=balance)
         state, aux = self.variant(functools.partial(C.calibrate, cfg=cfg))(
             C.init_calib_state(cfg), r_fp8=r16, r_bf16=r16, adv=adv, mask=mask
         )
@@ -56,7 +64,7 @@ class PropertiesTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_allclose(state.lower, 0.8, rtol=1e-7)
         np.testing.assert_allclose(state.upper, 1.28, rtol=1e-7)
         np.testing.assert_allclose(
-            aux["calib/balance_fp8_calibrated"], aux["calib/p_ref"], rtol=1e-6
+            aux["calib/balance_fp8_calibrated"], aux["calib/balance_bf16"], rtol=1e-6
         )
 
     @chex.variants(with_jit=True, without_jit=True)
@@ -82,6 +90,66 @@ class PropertiesTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_allclose(
             C.balance(lo, hi, r8, adv, mask), np_balance(lo, hi, r8, adv, mask), rtol=1e-5
         )
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_relative_balance_matches_float64_and_upper_is_minimal(self):
+        r8, r16, adv, mask = make_batch(1)
+        cfg = dataclasses.replace(CFG, balance="relative")
+        state, aux = self.variant(functools.partial(C.calibrate, cfg=cfg))(
+            C.init_calib_state(cfg), r_fp8=r8, r_bf16=r16, adv=adv, mask=mask
+        )
+        lo, hi = float(state.lower), float(state.upper)
+        q_ref = np_kept_share(0.8, 1.28, r16, adv, mask)
+        np.testing.assert_allclose(aux["calib/p_ref"], q_ref, rtol=1e-5)
+        np.testing.assert_allclose(
+            aux["calib/balance_bf16"], np_balance(0.8, 1.28, r16, adv, mask), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            aux["calib/balance_fp8_unclipped"],
+            np_balance(-np.inf, np.inf, r8, adv, mask),
+            rtol=1e-5,
+        )
+        np.testing.assert_allclose(
+            C.balance_share(lo, hi, r8, adv, mask),
+            np_kept_share(lo, hi, r8, adv, mask),
+            rtol=1e-5,
+        )
+        assert 1.0 <= hi < 1.8
+        assert np_kept_share(lo, hi, r8, adv, mask) >= q_ref * (1 - 1e-5)
+        pos = (mask > 0) & (adv > 0)
+        assert np_kept_share(lo, r8[pos & (r8 < hi)].max(), r8, adv, mask) < q_ref
+
+    @parameterized.parameters(("pos", 4.0), ("pos", 0.25), ("neg", 4.0), ("neg", 3.0))
+    def test_relative_rule_cancels_the_advantage_mix(self, side, c):
+        # The stored reference comes from one batch, the bounds from another whose advantages
+        # of one sign are all scaled by c (another mix of sequences): the relative rule's H
+        # does not move, the absolute one's does (it chases the mix, not the FP8 noise).
+        _, r16, adv_ref, mask_ref = make_batch(14)
+        r8, _, adv, mask = make_batch(15)
+        sel = adv > 0 if side == "pos" else adv < 0
+        scaled = np.where(sel, c * adv, adv).astype(np.float32)
+        uppers = {}
+        for balance in ("absolute", "relative"):
+            cfg = dataclasses.replace(CFG, balance=balance)
+            state, _ = CALIB(C.init_calib_state(cfg), cfg, r16, r16, adv_ref, mask_ref)
+            for name, a in (("orig", adv), ("scaled", scaled)):
+                _, hi = jax.jit(C.solve_bounds, static_argnums=4)(
+                    C._stats_of(state), r8, a, mask, cfg
+                )
+                uppers[balance, name] = float(hi)
+            # The relative reference itself ignores a rescaled reference batch.
+            ref = jax.jit(C.reference_stats, static_argnums=3)
+            a_ref = np.where(adv_ref > 0 if side == "pos" else adv_ref < 0, c * adv_ref, adv_ref)
+            p1 = float(ref(r16, adv_ref, mask_ref, cfg)["p_ref"])
+            p2 = float(ref(r16, a_ref.astype(np.float32), mask_ref, cfg)["p_ref"])
+            if balance == "relative":
+                np.testing.assert_allclose(p2, p1, rtol=1e-5)
+            else:
+                np.testing.assert_allclose(p2, p1 * (c if side == "pos" else 1 / c), rtol=1e-5)
+        np.testing.assert_allclose(
+            uppers["relative", "scaled"], uppers["relative", "orig"], rtol=1e-6
+        )
+        assert abs(uppers["absolute", "scaled"] - uppers["absolute", "orig"]) > 1e-3, uppers
 
     def test_quantile_upper_rule_matches_beta_up(self):
         r8, r16, adv, mask = make_batch(2)
@@ -212,6 +280,7 @@ class ModesTest(chex.TestCase):
             (dict(mode="x"), "mode"),
             (dict(range=(0.9, 1.8)), "range"),
             (dict(ema=1.0), "ema"),
+            (dict(balance="x"), "balance"),
         ):
             with self.assertRaisesRegex(ValueError, field):
                 dataclasses.replace(CFG, **bad)
@@ -258,7 +327,8 @@ def brute_bounds(stats, r, adv, mask, cfg):
     """The documented rules by sorting and scanning (float64 sums): an independent reference.
 
     L: the point of {x : #{N, r < x} = k} nearest to 1 - eps_low (k = round(alpha |N|));
-    H (balance): the smallest float32 h in [1, range_hi] with sum_{P, r < h} A r >= p_ref * den
+    H (balance): the smallest float32 h in [1, range_hi] with sum_{P, r < h} A r >= p * den,
+    p = p_ref (absolute) or p_ref * sum_P A r / sum_N |A| r (relative)
     (1 + eps_high if it keeps the same P tokens below it); H (quantile): the point of
     {h : #{P, r > h} = m} nearest to 1 + eps_high (m = round(beta_up |P|)); both clamped.
     """
@@ -285,7 +355,10 @@ def brute_bounds(stats, r, adv, mask, cfg):
         den = np.sum(np.where(neg & (r > lower), -adv.astype(np.float64) * r, 0.0))
         if not (bool(stats["p_ref_ok"]) and len(y) > 0 and den > 0):
             return lower, phi
-        target = float(stats["p_ref"]) * den * (1 - cfg.solver_rtol)
+        p = float(stats["p_ref"])
+        if cfg.balance == "relative":
+            p *= np_balance(-np.inf, np.inf, r, adv, mask)
+        target = p * den * (1 - cfg.solver_rtol)
         grid = [f32(1.0)] + sorted({_next_up(v) for v in y if 1.0 <= _next_up(v) <= rhi})
         passing = [h for h in grid if np.sum(np.where(y < h, ay * y, 0.0)) >= target]
         if not passing:
@@ -325,8 +398,12 @@ class BruteForceTest(chex.TestCase):
             r8 = (r16 * np.exp(rng.normal(0, s8, (6, 10)))).astype(np.float32)
             if trial % 3 == 0:
                 r8 = np.round(r8, 2).astype(np.float32)  # ties among the FP8 ratios
-            for rule in ("balance", "quantile"):
-                cfg = dataclasses.replace(CFG, upper_rule=rule)
+            for rule, balance in (
+                ("balance", "absolute"),
+                ("balance", "relative"),
+                ("quantile", "absolute"),
+            ):
+                cfg = dataclasses.replace(CFG, upper_rule=rule, balance=balance)
                 stats = ref_stats(r16, adv, mask, cfg)
                 got = [np.float32(b) for b in solve(stats, r8, adv, mask, cfg)]
                 want = brute_bounds(stats, r8, adv, mask, cfg)
