@@ -87,7 +87,8 @@ def test_calibrated_switch_inside_one_jitted_step():
 
     logp, old, adv, mask, w = random_inputs(8, b=8, t=16)
     algo = get_algorithm("dapo")
-    cfg = C.CalibConfig(eps_low=algo.eps_low, eps_high=algo.eps_high)
+    # track mode: current_bounds re-solves the bounds inside the jitted step (n_updates 1).
+    cfg = C.CalibConfig(eps_low=algo.eps_low, eps_high=algo.eps_high, mode="track")
     r16 = np.asarray(importance_ratio(logp, old))
     r8 = (r16 * np.exp(np.random.default_rng(0).normal(0, 0.1, r16.shape))).astype(np.float32)
     state, _ = jax.jit(C.calibrate, static_argnums=1)(
