@@ -11,7 +11,8 @@ Three named axes, `("data", "fsdp", "tensor")`, sized by `train.mesh`:
   samples and all-gather the weights they need, as in nanodo's `fsdp.py`).
 
 The default `train.mesh` is 1 x 1 x 1, so a single-CPU run and an 8-device run
-(`XLA_FLAGS=--xla_force_host_platform_device_count=8`) run the same jitted code.
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`) run the same jitted code. With several
+trainer processes (`jfp8rl.distributed`) the mesh spans all their devices, process-major.
 
 `Layout` bundles the mesh with the param specs as a hashable value (flattened specs + treedef),
 so `step.make_step_fns` can cache compiled programs per layout.
@@ -69,12 +70,28 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Any = None
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(data, fsdp, tensor, len(devices))
     n = math.prod(shape)
+    if jax.process_count() > 1:
+        return Mesh(multi_process_grid(shape, devices), AXES)
     try:
         # Topology-aware order on GPU/TPU (tensor axis innermost: the fastest links).
         grid = mesh_utils.create_device_mesh(shape, devices[:n])
     except (ValueError, AssertionError, NotImplementedError):
         grid = np.array(devices[:n]).reshape(shape)
     return Mesh(grid, AXES)
+
+
+def multi_process_grid(shape: tuple[int, int, int], devices: list[Any]) -> np.ndarray:
+    """The device grid of a mesh over several processes (`jfp8rl.distributed`): every device
+    of every process, process-major, so the outer axes span the hosts and `tensor` (then
+    `fsdp`) stays inside one host's fast links; e.g. 2 hosts x 8 GPUs as data=2 x fsdp=8 keeps
+    FSDP's all-gathers on NVLink and only the gradient all-reduce crosses hosts."""
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"with {jax.process_count()} processes the mesh must use all {len(devices)} "
+            f"devices, data x fsdp x tensor = {math.prod(shape)} (set one axis to -1)"
+        )
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return np.array(ordered).reshape(shape)
 
 
 def batch_size_divisor(mesh: Mesh) -> int:
@@ -155,9 +172,16 @@ def replicated_layout(mesh: Mesh, params: Any) -> Layout:
 
 
 def put_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
-    """Host arrays -> device arrays sharded along the sample axis."""
+    """Host arrays (the global batch, the same on every process) -> device arrays sharded
+    along the sample axis. Each process copies only the blocks of its own devices (with
+    several processes, `jfp8rl.distributed`, the mesh spans devices it cannot address)."""
     sh = batch_sharded(mesh)
-    return {k: jax.device_put(np.asarray(v), sh) for k, v in batch.items()}
+
+    def put(x: Any) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda index: x[index])
+
+    return {k: put(v) for k, v in batch.items()}
 
 
 def param_layout(mesh: Mesh, model_cfg: Any, params: Any) -> Layout:

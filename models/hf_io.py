@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from models import tokenizer as tokenizer_io
 from models.config import ModelConfig
 from models.functional import Params, abstract_model
-from models.sharding import param_shardings
+from models.sharding import host_array, param_shardings
 
 # One row per tensor kind: (HF name with {i} for the layer, our path, transposed?). Layer paths are
 # relative to `model.layers`, whose params are stacked on a leading layer axis.
@@ -138,7 +138,7 @@ def iter_hf_state(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.nd
         x = _get(pure, row.path)
         if row.layer is not None:
             x = x[row.layer]
-        x = np.asarray(jax.device_get(x), dtype=np.float32)
+        x = np.asarray(host_array(x), dtype=np.float32)  # collective across processes
         yield row.name, np.ascontiguousarray(x.T if row.transposed else x)
 
 

@@ -146,3 +146,19 @@ def constrain_batch(x: jax.Array) -> jax.Array:
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(axes))
+
+
+def host_array(x: Any) -> Any:
+    """The whole of a (possibly multi-process) jax.Array as one numpy array on this host.
+
+    One process: a plain device-to-host copy. Several processes (`jax.distributed`), where a
+    sharded array has shards this process cannot address: every process must call this for
+    the same array (it is a collective: `multihost_utils.process_allgather`), and each gets the
+    full value."""
+    import numpy as np
+
+    if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
