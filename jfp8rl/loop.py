@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -398,15 +399,19 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     t0 = time.perf_counter()
     batch, rstats = stage_rollout(t, p, p.step)
     t_roll = time.perf_counter() - t0
+    log_memory(t.log, f"rollout {p.step}")
     t1 = time.perf_counter()
     calibrate = t.is_calibration_step(p.step)
     full, prep = stage_prepare(t, state, batch, calibrate)
     if t.cfg.logging.rollout_samples:
         write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
                        t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip
+    log_memory(t.log, f"prepare {p.step}")
     upd = stage_update(t, state, full, p.step, calibrate)
     t_train = time.perf_counter() - t1
+    log_memory(t.log, f"update {p.step}")
     t_sync = stage_sync(t, state, p.step)
+    log_memory(t.log, f"sync {p.step}")
     timings = {
         "rollout_s": t_roll,
         "train_s": t_train,
@@ -428,31 +433,41 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
 # ------------------------------------------------------------------------------ the run
 
 
-def setup(
-    cfg: Config, resume: str, log: Any, out: Any
-) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
-    """Builds the trainer and its state (fresh or from the latest checkpoint)."""
+def host_rss_gib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in GiB (/proc/self/status VmRSS and
+    VmHWM; (0, 0) where there is no /proc)."""
+    try:
+        fields = dict(
+            line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+        )
+    except OSError:
+        return 0.0, 0.0
+    kib = lambda k: float(fields.get(k, "0 kB").split()[0])  # noqa: E731
+    return kib("VmRSS") / 2**20, kib("VmHWM") / 2**20
+
+
+def log_memory(log: Any, stage: str) -> None:
+    """With JFP8RL_DEBUG_MEMORY=1, one line `memory: <stage> rss X.XX GiB peak Y.YY GiB` (what
+    benchmarks/host_memory.py reads to attribute the peak to a stage)."""
+    if os.environ.get("JFP8RL_DEBUG_MEMORY") == "1":
+        rss, peak = host_rss_gib()
+        log(f"memory: {stage} rss {rss:.2f} GiB peak {peak:.2f} GiB")
+
+
+def open_run_dir(cfg: Config) -> Path:
+    """Creates the run folder; points JAX's persistent compilation cache at
+    `train.jax_cache_dir` when set."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.train.jax_cache_dir:
         jax.config.update(
             "jax_compilation_cache_dir", str(Path(cfg.train.jax_cache_dir).absolute())
         )
-    mesh = build_mesh(cfg)
-    policy = load_policy(cfg, log, mesh)
-    train_set, eval_set = build_datasets(
-        cfg.data.task, cfg.data.train_file, cfg.data.eval_file, cfg.data.max_digits,
-        cfg.data.eval_size, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-    )  # fmt: skip
-    fmt = PromptFormat.from_config(policy.path, policy.tokenizer, cfg.data)
-    rollout_settings = RolloutSettings(
-        batch_size=cfg.data.batch_size, n=cfg.rollout.n,
-        max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        dynamic_sampling=cfg.rollout.dynamic_sampling, max_rounds=cfg.rollout.max_rounds,
-        overlong=cfg.reward.overlong, overlong_buffer=cfg.reward.overlong_buffer,
-        overlong_penalty=cfg.reward.overlong_penalty,
-    )  # fmt: skip
+    return run_dir
+
+
+def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpointer, int | None]:
+    """The run's checkpoint manager and its latest step; enforces `--resume` / `--fresh`."""
     ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
     latest = ckpt.latest_step()
     if resume == "require" and latest is None:
@@ -461,44 +476,150 @@ def setup(
     if resume == "never" and latest is not None:
         ckpt.close()
         raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
-    save_config(cfg, run_dir)
+    return ckpt, latest
 
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    """What `rollout.collect` needs from the config (batch, sampling, overlong shaping)."""
+    d, r, w = cfg.data, cfg.rollout, cfg.reward
+    return RolloutSettings(
+        batch_size=d.batch_size, n=r.n, max_prompt_tokens=d.max_prompt_tokens,
+        max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        dynamic_sampling=r.dynamic_sampling, max_rounds=r.max_rounds, overlong=w.overlong,
+        overlong_buffer=w.overlong_buffer, overlong_penalty=w.overlong_penalty,
+    )  # fmt: skip
+
+
+def build_trainer(
+    cfg: Config, log: Any, policy: Policy, mesh: jax.sharding.Mesh, ckpt: Checkpointer
+) -> Trainer:
+    """Data, prompt format, step programs; the backend and metrics sinks come later
+    (`connect_backend`, `open_metrics`)."""
+    d = cfg.data
+    train_set, eval_set = build_datasets(
+        d.task, d.train_file, d.eval_file, d.max_digits, d.eval_size,
+        prompt_key=d.prompt_key, answer_key=d.answer_key,
+    )  # fmt: skip
     settings, opt = step_settings(cfg)
     layout = mesh_lib.param_layout(mesh, policy.cfg, policy.params)
     fns = make_step_fns(policy.graphdef, settings, opt, layout)
-    t = Trainer(
+    return Trainer(
         cfg=cfg, log=log, policy=policy, backend=None, fns=fns, mesh=mesh,  # type: ignore[arg-type]
         settings=settings, ckpt=ckpt, metrics=None, verifier=get_verifier(cfg.reward.kind),  # type: ignore[arg-type]
-        stream=PromptStream(train_set, cfg.data.seed), eval_set=eval_set, fmt=fmt,
-        rollout_settings=rollout_settings, ref_params=None,
+        stream=PromptStream(train_set, d.seed), eval_set=eval_set,
+        fmt=PromptFormat.from_config(policy.path, policy.tokenizer, d),
+        rollout_settings=rollout_settings(cfg), ref_params=None,
     )  # fmt: skip
-    state = init_state(t, policy.params)
-    if settings.algo.use_kl_loss:
-        # The KL reference is the base policy; a copy, since the train state is donated.
-        t.ref_params = jax.jit(lambda x: jax.tree.map(jnp.copy, x), out_shardings=layout.params())(
-            state["params"]
-        )
-    p = Progress()
-    if latest is not None:
-        state, meta = ckpt.restore(latest, state)
-        p = Progress(
-            meta["step"],
-            meta["data_position"],
-            meta["nonfinite_run"],
-            dict(meta.get("carried", {})),
-        )
-        log(f"resumed from {ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
+
+
+def build_state(t: Trainer, latest: int | None) -> tuple[dict[str, Any], Progress]:
+    """The train state (fresh from the base policy, or checkpoint `latest`) and the run's
+    position. The loaded params become the state's (no copy; the policy keeps none, since
+    the update donates them); the KL reference, if any, is the only second copy."""
+    state = init_state(t, t.policy.params)
+    t.policy.params = None
+    if t.settings.algo.use_kl_loss:
+        copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x), out_shardings=t.fns.layout.params())
+        t.ref_params = copy(state["params"])
+    if latest is None:
+        return state, Progress()
+    # Restore into abstract arrays once the fresh state is gone: one state in memory.
+    like = jax.tree.map(abstract_array, state)
+    del state
+    state, meta = t.ckpt.restore(latest, like)
+    p = Progress(
+        meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta.get("carried", {}))
+    )
+    t.log(f"resumed from {t.ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
+    return state, p
+
+
+def abstract_array(x: Any) -> Any:
+    """An array -> its `jax.ShapeDtypeStruct` with the same sharding (no memory)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+
+def connect_backend(t: Trainer, latest: int | None) -> RolloutBackend:
+    """`make_backend`, its failure turned into `RunStopped` naming the last checkpoint."""
     try:
-        t.backend = make_backend(cfg, policy, run_dir)
+        return make_backend(t.cfg, t.policy, Path(t.cfg.run_dir))
     except RolloutError as e:
-        ckpt.close()
+        t.ckpt.close()
         last = latest if latest is not None else "none yet"
-        raise RunStopped(f"{e}\nLast checkpoint: {last}; resume: {_resume_hint(cfg)}") from e
-    t.metrics = MetricsLogger(
-        run_dir, total_steps=cfg.train.steps, start_step=p.step,
-        tensorboard=cfg.logging.tensorboard, console=cfg.logging.console != "none", stream=out,
+        raise RunStopped(f"{e}\nLast checkpoint: {last}; resume: {_resume_hint(t.cfg)}") from e
+
+
+def open_metrics(t: Trainer, p: Progress, out: Any) -> MetricsLogger:
+    """The metrics sinks (jsonl, console, TensorBoard), counting from step `p.step`."""
+    lg = t.cfg.logging
+    return MetricsLogger(
+        Path(t.cfg.run_dir), total_steps=t.cfg.train.steps, start_step=p.step,
+        tensorboard=lg.tensorboard, console=lg.console != "none", stream=out,
     )  # fmt: skip
+
+
+def setup(
+    cfg: Config, resume: str, log: Any, out: Any
+) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
+    """Builds the trainer and its state (fresh or from the latest checkpoint), stage by stage."""
+    run_dir = open_run_dir(cfg)
+    mesh = build_mesh(cfg)
+    policy = load_policy(cfg, log, mesh)
+    log_memory(log, "loaded")
+    ckpt, latest = open_checkpoints(cfg, run_dir, resume)
+    save_config(cfg, run_dir)
+    t = build_trainer(cfg, log, policy, mesh, ckpt)
+    state, p = build_state(t, latest)
+    log_memory(log, "state")
+    t.backend = connect_backend(t, latest)
+    t.metrics = open_metrics(t, p, out)
     return t, state, p, latest
+
+
+def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
+    """The first sync (and at step 0 the base policy's eval and checkpoint), then the steps
+    up to `stop_at`; a rollout backend failure becomes `RunStopped`."""
+    try:
+        stage_sync(t, state, p.step)
+        log_memory(t.log, f"sync {p.step}")
+        if p.step == 0:
+            acc0 = run_eval(t)
+            t.metrics.log(0, {"eval/accuracy": acc0})
+            t.log(
+                f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on "
+                f"{len(t.eval_set)} prompts"
+            )
+            stage_checkpoint(t, state, p, force=True)
+        while p.step < stop_at:
+            train_step(t, state, p, stop_at)
+    except RolloutError as e:
+        last = t.ckpt.latest_step()
+        raise RunStopped(
+            f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
+            f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
+            + _resume_hint(t.cfg)
+        ) from e
+
+
+def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> dict[str, Any]:
+    """The final HF export (when configured) and the run summary (summary.json)."""
+    cfg, run_dir = t.cfg, Path(t.cfg.run_dir)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
+    if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
+        hf_dir = run_dir / "hf_final"
+        save_policy_folder(hf_dir, t.policy, state["params"])
+        summary["hf_final"] = str(hf_dir)
+    recs = read_metrics(run_dir)
+    evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
+    wall_s = time.perf_counter() - t_start
+    summary.update({"steps": p.step, "eval_accuracy": evals, "wall_s_this_invocation": wall_s})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if evals:
+        t.log(
+            f"done: step {p.step}, greedy eval accuracy {evals[0][1]:.3f} (step {evals[0][0]}) -> "
+            f"{evals[-1][1]:.3f} (step {evals[-1][0]}); run folder {run_dir}"
+        )
+    return summary
 
 
 def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, Any]:
@@ -512,50 +633,11 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
             print(msg, file=out, flush=True)
 
     t, state, p, _ = setup(cfg, resume, log, out)
-    run_dir = Path(cfg.run_dir)
     stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     try:
-        stage_sync(t, state, p.step)
-        if p.step == 0:
-            acc0 = run_eval(t)
-            t.metrics.log(0, {"eval/accuracy": acc0})
-            log(
-                f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on "
-                f"{len(t.eval_set)} prompts"
-            )
-            stage_checkpoint(t, state, p, force=True)
-        while p.step < stop_at:
-            train_step(t, state, p, stop_at)
-    except RolloutError as e:
-        last = t.ckpt.latest_step()
-        raise RunStopped(
-            f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
-            f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
-            + _resume_hint(cfg)
-        ) from e
+        run_steps(t, state, p, stop_at)
     finally:
         t.metrics.close()
         t.backend.close()
         t.ckpt.close()
-
-    if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
-        hf_dir = run_dir / "hf_final"
-        save_policy_folder(hf_dir, t.policy, state["params"])
-        summary["hf_final"] = str(hf_dir)
-    recs = read_metrics(run_dir)
-    evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
-    summary.update(
-        {
-            "steps": p.step,
-            "eval_accuracy": evals,
-            "wall_s_this_invocation": time.perf_counter() - t_start,
-        }
-    )
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if evals:
-        log(
-            f"done: step {p.step}, greedy eval accuracy {evals[0][1]:.3f} (step {evals[0][0]}) -> "
-            f"{evals[-1][1]:.3f} (step {evals[-1][0]}); run folder {run_dir}"
-        )
-    return summary
+    return finish(t, state, p, t_start)
