@@ -27,7 +27,7 @@ import json
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,7 +36,6 @@ from jfp8rl.config import ConfigError
 from jfp8rl.rollout import RolloutBatch
 from rollout_bridge.backend import RolloutError
 
-T = TypeVar("T")
 # Environment variables by which `jax.distributed.initialize()` finds its processes itself:
 # (cluster, variable holding the process count). Only a count above 1 turns multi-process on.
 AUTO_ENVS = (("SLURM", "SLURM_NTASKS"), ("Open MPI", "OMPI_COMM_WORLD_SIZE"))
@@ -84,6 +83,15 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
     else:
         jax.distributed.initialize()
     return jax.process_count() > 1
+
+
+def describe() -> str:
+    """`jfp8rl: process i of N, L local of G devices (platform)`: each process's start line."""
+    return (
+        f"jfp8rl: process {jax.process_index()} of {jax.process_count()}, "
+        f"{jax.local_device_count()} local of {jax.device_count()} devices "
+        f"({jax.devices()[0].platform})"
+    )
 
 
 def is_main() -> bool:
@@ -145,7 +153,7 @@ def _agree(error: BaseException | None) -> None:
     raise RolloutError(f"process 0 stopped the run: {info['error']}")
 
 
-def on_main(fn: Callable[[], T], follow: Callable[[], Any] | None = None) -> T | None:
+def on_main[T](fn: Callable[[], T], follow: Callable[[], Any] | None = None) -> T | None:
     """`fn()` on process 0 (its result; None on the others, which run `follow()`: their part of
     the collectives `fn` makes). An exception in `fn` is raised on every process."""
     if jax.process_count() == 1:

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfp8rl import distributed
 from jfp8rl import mesh as mesh_lib
 from jfp8rl.checkpoint import Checkpointer
 from jfp8rl.config import Config, ConfigError, check_batch_split, save_config, to_yaml
@@ -53,6 +54,7 @@ from jfp8rl.templates import PromptFormat, stop_token_ids
 from losses import calibrated as cal
 from losses.registry import get_algorithm
 from models.hf_io import iter_hf_state, load_hf
+from models.sharding import host_array
 from models.tokenizer import load_tokenizer
 from rollout_bridge.backend import RolloutBackend, RolloutError
 
@@ -99,13 +101,15 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
 
         train, evals = build_datasets("arithmetic", "", "", cfg.data.max_digits, cfg.data.eval_size)
         w = cfg.warmstart
-        path = ensure_base_policy(
+        ensure = lambda: ensure_base_policy(  # noqa: E731
             w.cache_dir, cfg.model.preset, train, evals,
             task_tag=f"arithmetic-{cfg.data.max_digits}-{cfg.data.eval_size}",
             steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
             prompt_len=cfg.data.max_prompt_tokens, answer_len=cfg.rollout.max_tokens,
             carry_noise=w.carry_noise, target_accuracy=w.target_accuracy, log=log,
         )  # fmt: skip
+        # Process 0 trains and caches it; the others then read that cache (a shared folder).
+        path = distributed.on_main(ensure) or ensure()
     m = cfg.model
     mcfg, graphdef, params = load_hf(
         path, mesh=mesh, compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat,
@@ -239,7 +243,10 @@ def init_state(t: Trainer, params: Any) -> dict[str, Any]:
         # Initialised in place in its sharding: no full optimizer state on one device.
         "opt_state": jax.jit(t.fns.optimizer.init, out_shardings=sh["opt_state"])(params),
         "calib": jax.device_put(cal.init_calib_state(t.settings.calib_cfg), sh["calib"]),
-        "rng": jax.random.key_data(jax.random.key(t.cfg.train.seed)),
+        # Replicated on the mesh (one global array, also across processes).
+        "rng": jax.device_put(
+            jax.random.key_data(jax.random.key(t.cfg.train.seed)), t.fns.layout.replicated()
+        ),
     }
 
 
@@ -247,12 +254,17 @@ def init_state(t: Trainer, params: Any) -> dict[str, Any]:
 
 
 def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """n samples for each of the step's B prompts, with rewards; advances the data position."""
-    batch, p.position, rstats = collect(
-        t.backend, t.stream, p.position, t.fmt, t.verifier,
-        t.rollout_settings, seed=t.cfg.train.seed * 1_000_003 + step * 101,
-        version=version(step - 1),
-    )  # fmt: skip
+    """n samples for each of the step's B prompts, with rewards; advances the data position.
+    Process 0 collects; every process gets the batch arrays (`distributed.share_rollout`)."""
+    seed = t.cfg.train.seed * 1_000_003 + step * 101
+
+    def collect_on_main() -> tuple[RolloutBatch, int, dict[str, float]]:
+        return collect(
+            t.backend, t.stream, p.position, t.fmt, t.verifier, t.rollout_settings,
+            seed=seed, version=version(step - 1),
+        )  # fmt: skip
+
+    batch, p.position, rstats = distributed.share_rollout(collect_on_main)
     return batch, rstats
 
 
@@ -272,7 +284,7 @@ def stage_prepare(
     out, mets = t.fns.prepare(
         state["params"], t.ref_params, mesh_lib.put_batch(host, t.mesh), calibrate
     )
-    full = {k: host[k] for k in UPDATE_INPUTS} | {k: np.asarray(v) for k, v in out.items()}
+    full = {k: host[k] for k in UPDATE_INPUTS} | {k: host_array(v) for k, v in out.items()}
     return full, {k: float(v) for k, v in mets.items()}
 
 
@@ -312,8 +324,12 @@ def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
     """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
     t0 = time.perf_counter()
     # One tensor at a time (a layer slice fetched from the devices per tensor): the host never
-    # holds a full f32 copy of the model.
-    t.backend.push_weights(iter_hf_state(t.policy.cfg, state["params"]), version(step))
+    # holds a full f32 copy of the model. Process 0 pushes; every process takes part in the
+    # per-tensor gathers of a multi-process run.
+    distributed.push_from_main(
+        lambda tensors: t.backend.push_weights(tensors, version(step)),
+        iter_hf_state(t.policy.cfg, state["params"]),
+    )
     return time.perf_counter() - t0
 
 
@@ -371,11 +387,15 @@ def step_metrics(
 
 
 def stage_log(t: Trainer, p: Progress, record: dict[str, float]) -> None:
-    """Adds the greedy eval when due and writes the record to every sink."""
+    """Adds the greedy eval when due and writes the record to every sink (process 0)."""
     every, last = t.cfg.train.eval_every, t.cfg.train.steps
-    if p.step == last or (every and p.step % every == 0):
-        record["eval/accuracy"] = run_eval(t)
-    t.metrics.log(p.step, record)
+
+    def log_on_main() -> None:
+        if p.step == last or (every and p.step % every == 0):
+            record["eval/accuracy"] = run_eval(t)
+        t.metrics.log(p.step, record)
+
+    distributed.on_main(log_on_main)
 
 
 def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool = False) -> None:
@@ -403,7 +423,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     t1 = time.perf_counter()
     calibrate = t.is_calibration_step(p.step)
     full, prep = stage_prepare(t, state, batch, calibrate)
-    if t.cfg.logging.rollout_samples:
+    if t.cfg.logging.rollout_samples and distributed.is_main():
         write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
                        t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip
     log_memory(t.log, f"prepare {p.step}")
@@ -567,12 +587,14 @@ def setup(
     policy = load_policy(cfg, log, mesh)
     log_memory(log, "loaded")
     ckpt, latest = open_checkpoints(cfg, run_dir, resume)
-    save_config(cfg, run_dir)
+    if distributed.is_main():
+        save_config(cfg, run_dir)
     t = build_trainer(cfg, log, policy, mesh, ckpt)
     state, p = build_state(t, latest)
     log_memory(log, "state")
-    t.backend = connect_backend(t, latest)
-    t.metrics = open_metrics(t, p, out)
+    # Process 0 alone talks to the backend and writes metrics (None on the others).
+    t.backend = distributed.on_main(lambda: connect_backend(t, latest))  # type: ignore[assignment]
+    t.metrics = open_metrics(t, p, out) if distributed.is_main() else None  # type: ignore[assignment]
     return t, state, p, latest
 
 
@@ -583,12 +605,7 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
         stage_sync(t, state, p.step)
         log_memory(t.log, f"sync {p.step}")
         if p.step == 0:
-            acc0 = run_eval(t)
-            t.metrics.log(0, {"eval/accuracy": acc0})
-            t.log(
-                f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on "
-                f"{len(t.eval_set)} prompts"
-            )
+            distributed.on_main(lambda: log_base_eval(t))
             stage_checkpoint(t, state, p, force=True)
         while p.step < stop_at:
             train_step(t, state, p, stop_at)
@@ -601,14 +618,28 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
         ) from e
 
 
+def log_base_eval(t: Trainer) -> None:
+    """Step 0's record: the base policy's greedy eval accuracy."""
+    acc0 = run_eval(t)
+    t.metrics.log(0, {"eval/accuracy": acc0})
+    n = len(t.eval_set)
+    t.log(f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on {n} prompts")
+
+
 def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> dict[str, Any]:
     """The final HF export (when configured) and the run summary (summary.json)."""
     cfg, run_dir = t.cfg, Path(t.cfg.run_dir)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
         hf_dir = run_dir / "hf_final"
-        save_policy_folder(hf_dir, t.policy, state["params"])
+        # Written by process 0; the others take part in its per-tensor gathers.
+        distributed.on_main(
+            lambda: save_policy_folder(hf_dir, t.policy, state["params"]),
+            follow=lambda: distributed.drain(iter_hf_state(t.policy.cfg, state["params"])),
+        )
         summary["hf_final"] = str(hf_dir)
+    if not distributed.is_main():
+        return summary
     recs = read_metrics(run_dir)
     evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
     wall_s = time.perf_counter() - t_start
@@ -626,7 +657,7 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
     """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json)."""
     t_start = time.perf_counter()
     out = stream or sys.stdout
-    console = cfg.logging.console != "none"
+    console = cfg.logging.console != "none" and distributed.is_main()
 
     def log(msg: str) -> None:
         if console:
@@ -637,7 +668,8 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
     try:
         run_steps(t, state, p, stop_at)
     finally:
-        t.metrics.close()
-        t.backend.close()
+        if distributed.is_main():
+            t.metrics.close()
+            t.backend.close()
         t.ckpt.close()
     return finish(t, state, p, t_start)

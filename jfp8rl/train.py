@@ -4,6 +4,11 @@ Loads the config (`jfp8rl.config`: YAML + dotted overrides) and runs `jfp8rl.loo
 folder that already holds a checkpoint is resumed automatically (`--resume` insists on one,
 `--fresh` refuses one).
 
+Several hosts (docs/cluster.md): one process per host, each started with
+`--coordinator host:port --num-processes N --process-id i` (process 0 binds host:port), or with
+no flags under SLURM `srun` / `mpirun`, where JAX finds its processes itself
+(`jfp8rl.distributed.initialize`). Every process gets the same config and overrides.
+
 Exit codes: 0 done; 2 bad configuration or data; 1 the run stopped (rollout backend failure,
 too many non-finite updates): the message names the last checkpoint and the resume command.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jfp8rl import distributed
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data import DataError
 from jfp8rl.loop import RunStopped, run
@@ -32,8 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     group.add_argument("--fresh", action="store_true", help="refuse a run folder with checkpoints")
     parser.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
+    dist = parser.add_argument_group("multi-process (one trainer process per host)")
+    dist.add_argument("--coordinator", default="", help="host:port of process 0, e.g. node0:6379")
+    dist.add_argument("--num-processes", type=int, default=0, help="trainer processes in all")
+    dist.add_argument("--process-id", type=int, default=-1, help="this process, 0..N-1")
     args = parser.parse_args(argv)
     try:
+        # Before any JAX computation (the config may set the compilation cache, not more).
+        if distributed.initialize(args.coordinator, args.num_processes, args.process_id):
+            print(distributed.describe(), file=sys.stderr, flush=True)
         cfg = load_config(args.config, args.overrides)
         run(cfg, resume="require" if args.resume else "never" if args.fresh else "auto")
     except (ConfigError, DataError) as e:
