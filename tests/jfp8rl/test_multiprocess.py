@@ -37,6 +37,7 @@ TIMING_PREFIXES = ("timing/", "throughput/")
 OVERRIDES = (
     "train.recipe=bf16", "train.steps=3", "train.ppo_epochs=1", "train.eval_every=0",
     "checkpoint.every=1", "train.mesh.data=2", "train.mesh.fsdp=2", "logging.console=line",
+    "algorithm.clip=plain",
 )  # fmt: skip
 
 
