@@ -132,6 +132,23 @@ def test_two_processes_match_one_and_resume_exactly(
         assert (pa[k] == pb[k]).all(), k
 
 
+@pytest.mark.slow
+def test_rollout_failure_on_process_0_stops_both(
+    base_policy_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """Nothing listens on the rollout URL: process 0's error reaches process 1 (no hang), both
+    exit 1 naming the server and the resume command."""
+    run_dir = tmp_path / "down"
+    proc = start(2, run_dir, cache_dir, "rollout.backend=http", "rollout.url=http://127.0.0.1:9")
+    assert proc.wait(timeout=600) == 1
+    logs = [(tmp_path / "down.log" / f"proc-{i}.log").read_text() for i in (0, 1)]
+    assert "error: rollout server http://127.0.0.1:9 is not answering /health" in logs[0]
+    assert (
+        "error: process 0 stopped the run: RunStopped: rollout server http://127.0.0.1:9" in logs[1]
+    )
+    assert all("--resume" in text for text in logs)
+
+
 @pytest.mark.parametrize(
     ("coordinator", "num", "pid", "match"),
     [
