@@ -36,16 +36,20 @@ from jfp8rl.config import ConfigError
 from jfp8rl.rollout import RolloutBatch
 from rollout_bridge.backend import RolloutError
 
-# Environment variables by which `jax.distributed.initialize()` finds its processes itself:
-# (cluster, variable holding the process count). Only a count above 1 turns multi-process on.
-AUTO_ENVS = (("SLURM", "SLURM_NTASKS"), ("Open MPI", "OMPI_COMM_WORLD_SIZE"))
+# Environments in which `jax.distributed.initialize()` finds its processes itself (jax's
+# `_src/clusters`): (cluster, the variable holding the process count, the variables that must
+# be set too). SLURM's are those of an `srun` job step, not of the batch script itself.
+AUTO_ENVS = (
+    ("SLURM", "SLURM_NTASKS", ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")),
+    ("Open MPI", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")),
+)  # fmt: skip
 
 
 def detected_cluster() -> str:
     """The cluster `jax.distributed.initialize()` will detect with more than one process
-    ("SLURM", "Open MPI"), or "" when none."""
-    for name, var in AUTO_ENVS:
-        if int(os.environ.get(var, "1") or 1) > 1:
+    ("SLURM", "Open MPI"), or "" when none (only a count above 1 turns multi-process on)."""
+    for name, count, others in AUTO_ENVS:
+        if int(os.environ.get(count, "1") or 1) > 1 and all(v in os.environ for v in others):
             return name
     return ""
 

@@ -175,6 +175,10 @@ def test_single_process_needs_no_coordinator(monkeypatch: pytest.MonkeyPatch) ->
     assert initialize() is False
     assert initialize("127.0.0.1:1234", 1, 0) is False
     monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert detected_cluster() == ""  # the batch script of a 4-task job: not an srun step
+    for var, value in (("SLURM_JOB_ID", "7"), ("SLURM_STEP_NODELIST", "n[0-3]"),
+                       ("SLURM_PROCID", "1"), ("SLURM_LOCALID", "0")):  # fmt: skip
+        monkeypatch.setenv(var, value)
     assert detected_cluster() == "SLURM"
 
 
