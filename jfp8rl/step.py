@@ -11,7 +11,8 @@ config, optimizer, mesh layout) and returns jitted programs with explicit in/out
   by `micro_batch_size` sequences whatever the step's batch.
 * `update(state, mb, on_policy)` -> (state, metrics): one mini-batch: gradients accumulated
   over its micro-batches inside one program (`lax.scan`), then one optax update of the FP32
-  masters (skipped, state unchanged, when the loss, a gradient or a new param is not finite).
+  masters (skipped, state unchanged, when the loss, a gradient or a new param would not be
+  finite: decided before anything is written, so the donated state is updated in place).
 
 Calibrating and non-calibrating steps are separate executables (`calibrate` is static), so a
 non-calibrating program holds no BF16 forward at all: the paper's two BF16 forwards (old params
@@ -361,30 +362,42 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         return grads_accumulated(params, calib_state, mb, on_policy, calibrate, k)
 
     def update(state, mb, on_policy, *, calibrate: bool):
-        params = state["params"]
+        params, opt_state = state["params"], state["opt_state"]
         loss, grads, calib_state, metrics = loss_and_grads(
             params, state["calib"], mb, on_policy, calibrate
         )
         # Global L2 norm of the gradients before clipping (optax's clip uses the same norm).
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
-        # An update is kept only if the loss, the gradients AND the new params are finite: an
-        # overflowing step (e.g. a huge lr) must not poison the weights the rollout serves next.
-        params_finite = jnp.all(
-            jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_params)])
+        grad_norm = optax.tree.norm(grads)
+        finite = (
+            jnp.isfinite(loss) & jnp.isfinite(grad_norm) & lands_finite(grads, opt_state, params)
         )
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & params_finite
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-        new_state = {
-            "params": keep(new_params, params),
-            "opt_state": keep(opt_state, state["opt_state"]),
-            "calib": keep(calib_state, state["calib"]),
-        }
+
+        # Applied only if finite, inside `cond`: the old state is never needed after the new
+        # one is written, so the donated buffers are updated in place (a `where(finite, new,
+        # old)` guard keeps both copies of params and Adam moments alive: +2 x 8 bytes/param).
+        def apply(_):
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt, calib_state
+
+        new_params, new_opt, new_calib = jax.lax.cond(
+            finite, apply, lambda _: (params, opt_state, state["calib"]), None
+        )
+        new_state = {"params": new_params, "opt_state": new_opt, "calib": new_calib}
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         metrics["actor/grad_norm"] = grad_norm
         metrics["actor/nonfinite"] = 1.0 - finite.astype(jnp.float32)
         return new_state, metrics
+
+    def lands_finite(grads, opt_state, params):
+        """Whether the update would leave every param finite (an overflowing step, e.g. a huge
+        lr, must not poison the weights the rollout serves next). Computed as reductions over
+        `params + updates` that XLA fuses with the optimizer's elementwise math, so no second
+        copy of params or moments is materialised (the `cond` above recomputes the update).
+        With finite grads (and a finite grad norm) the new Adam moments are finite whenever the
+        old ones are, so params are the only thing to check."""
+        updates, _ = optimizer.update(grads, opt_state, params)
+        landed = jax.tree.map(lambda p, u: jnp.all(jnp.isfinite(p + u)), params, updates)
+        return jnp.all(jnp.stack(jax.tree.leaves(landed)))
 
     variants = (False, True) if s.calibrated else (False,)
     prepare_programs = {

@@ -127,3 +127,28 @@ def test_missing_folder_files_are_reported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_config()))
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_hf(tmp_path)
+
+
+def _donated(tree) -> list[bool]:
+    """Runs a donating jit over `tree`; which leaves it could consume (freed, not copied)."""
+    leaves = jax.tree.leaves(tree)
+    jax.block_until_ready(jax.jit(lambda t: [x + 1 for x in t], donate_argnums=0)(leaves))
+    return [x.is_deleted() for x in leaves]
+
+
+def test_loaded_and_exported_params_stay_donatable(tmp_path):
+    # The trainer donates its params to every update; a buffer that something else still
+    # references is copied instead (a second model in host memory on CPU). Neither the
+    # memory-mapped load nor an export whose tensors are still held may leave such a reference.
+    cfg, _, params = tiny("tiny_qwen3")
+    save_hf(tmp_path, cfg, params)
+    _, _, loaded = load_hf(
+        tmp_path, mesh=jax.make_mesh((1,), ("fsdp",)), compute_dtype=cfg.compute_dtype
+    )
+    assert all(_donated(loaded))
+    _, _, loaded = load_hf(tmp_path, compute_dtype=cfg.compute_dtype)
+    held = to_hf_state_dict(cfg, loaded)  # the export's arrays stay alive
+    assert all(_donated(loaded))
+    np.testing.assert_array_equal(
+        held["model.norm.weight"], np.asarray(params["model"]["norm"]["weight"][...])
+    )
