@@ -82,6 +82,7 @@ from rollout_bridge.backend import (
     SamplingParams,
 )
 from rollout_bridge.export import ExportFormat, export_weights
+from rollout_bridge.openai_format import SEED_INDICES
 from rollout_bridge.weight_files import MANIFEST, default_root, sha256_file
 
 VLLM_CLAMP = -9999.0  # vLLM clamps -inf logprobs to this; a clamp means a broken distribution
@@ -261,12 +262,18 @@ class HttpBackend(RolloutBackend):
     # ---------------------------------------------------------------------------- interface
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        seed_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
         """All prompts in one `/v1/completions` request (vLLM batches them; 64 separate
         requests are several times slower). With a seed, the same call reproduces the same
         samples; identical prompts in one call share their random stream (vLLM seeds per
-        request, not per prompt)."""
+        request, not per prompt). `seed_indices` go out as `jfp8rl_seed_indices` (read by
+        `rollout_bridge.serve`; vLLM ignores the field, its samples do not depend on the
+        prompt's position anyway)."""
         if not prompts:
             return []
         prompts = [[int(t) for t in p] for p in prompts]
@@ -288,6 +295,8 @@ class HttpBackend(RolloutBackend):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if seed_indices is not None:
+            body[SEED_INDICES] = [int(k) for k in seed_indices]
         before = self.weight_version()
         resp = self._request("POST", "/v1/completions", body)
         after = self.weight_version()
