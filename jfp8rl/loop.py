@@ -125,7 +125,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
         from rollout_bridge.engine import EmbeddedBackend
 
         # No weights at construction (an f32 copy of the model): the run's first sync pushes
-        # the weights it serves (compact FP8), before any sampling.
+        # the weights it serves, before any sampling.
         return EmbeddedBackend(
             policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",

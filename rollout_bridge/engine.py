@@ -28,12 +28,19 @@ The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server r
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
 embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
 
-How exports are held and consumed: `served_params` keeps every tensor as exported (bf16
-stays bf16; an FP8 linear stays e4m3 codes + f32 block scales, 1 byte per weight), and the
-model widens them where it uses them, dequantizing an FP8 linear to f32, `w = q * s`, one
-layer at a time inside its layer scan; the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
-re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged
-and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
+How exports are held and consumed (quantized once per push, issue 13): `served_params` reads
+every tensor as exported (bf16 stays bf16; an FP8 linear is e4m3 codes + f32 block scales),
+then `engine_jit.install_kernels` turns each decoder linear's kernel, once per install, into
+the operand every forward would compute from it: for an FP8 recipe the fake-quantized f32
+values `Q(w)` (an FP8 linear first widened to `w = q * s`), for the unquantized recipe the
+cast to the compute dtype. The forward then runs with `prequantized_weights=True`, so a decode
+step only quantizes its activations. The numbers are those of re-quantizing in every step, bit
+for bit (tested); the cost is memory: the installed kernels take 4 bytes per weight (f32
+holding FP8 values; embeddings, norms, biases stay as exported), which on CPU is faster than
+dequantizing 1-byte codes in every decode step. Re-quantizing `q * s` is not bit-idempotent in
+general: the re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes
+are unchanged and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for
+|s' - s| <= 1 ulp, exactly as before.
 Measured against the trainer's own recipe on the f32 masters (tiny model, N(0, 0.02) weights,
 f32 compute, `tests/rollout_bridge/test_engine.py`): max |logprob diff| ~1e-6 with "fp8_fp32"
 (the FP8 values, other tensors f32) and ~1e-2 with "fp8" (bf16 embeddings / norms / biases).
@@ -87,7 +94,7 @@ def served_params(
     tensors: Mapping[str, np.ndarray],
     quantization_config: Mapping[str, Any] | None,
 ) -> Any:
-    """The params the engine computes with, from the HF tensors of an export, kept compact:
+    """The params of an export as exported, before `install_kernels` (EmbeddedBackend.params):
     every tensor in its exported dtype (bf16 stays bf16), and each FP8 `weight` +
     `weight_scale_inv` pair as a `models.fp8.StoredFP8Weight` (e4m3 codes [L, in, out] and f32
     block scales [L, in/B, out/B], B from `quantization_config`), which the model expands to
@@ -137,8 +144,8 @@ class EmbeddedBackend(RolloutBackend):
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
       graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
         params are copied, so the caller may donate or delete its own buffers. params=None:
-        no weights until the first `push_weights` / `load_export_dir` (which then hold only
-        the compact export, never an f32 copy); generate / score refuse until then.
+        no weights until the first `push_weights` / `load_export_dir`; generate / score
+        refuse until then.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
       eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.

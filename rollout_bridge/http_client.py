@@ -16,7 +16,8 @@ reads `weight_version` (str, or null before any push; reported as "").
      "temperature": float (0 = greedy), "top_p": float, "top_k": int (-1 = off),
      "seed": int (key omitted when None), "logprobs": 0, "return_token_ids": true,
      "return_tokens_as_token_ids": true, "ignore_eos": bool, "stop_token_ids": [int, ...],
-     "skip_special_tokens": false, "include_stop_str_in_output": true}
+     "skip_special_tokens": false, "include_stop_str_in_output": true,
+     "jfp8rl_seed_indices": [int, ...] (only when given: `rollout_bridge.pool`)}
   reads `choices`: exactly n * len(prompts) entries, prompt-major (prompt i sample j at
   position i * n + j); if every choice has an int `index` they are sorted by it and must be
   0..N-1. Per choice: `token_ids` [int], `logprobs.token_logprobs` [float] (same length as
@@ -113,7 +114,8 @@ class HttpBackend(RolloutBackend):
       export_format: rollout format of pushed weights ("fp32" | "bf16" | "fp8" | "fp8_fp32";
         `rollout_bridge.export`). A CPU vLLM needs "fp32", "bf16" or "fp8_fp32".
       export_root: folder for exports (default `/dev/shm/jfp8rl/run-<pid>`, removed by
-        `close()`); must be readable by the server (same machine).
+        `close()`); must be readable by the server: /dev/shm on the same host, a shared
+        filesystem otherwise (`rollout.export_root`).
       keep_versions: exported versions kept on disk (the served one and its predecessor).
       timeout_s: socket timeout per request (generation of a large batch may be slow).
       max_retries: extra attempts after a transient failure (refused / reset connection,

@@ -65,6 +65,16 @@ def _same(a, b) -> None:
         assert x.finish_reason == y.finish_reason and x.weight_version == y.weight_version
 
 
+def test_url_and_urls_together_are_refused_naming_both_keys() -> None:
+    from jfp8rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"rollout\.url=.*rollout\.urls=.*both given"):
+        load_config(TINY, ["rollout.url=http://127.0.0.1:1", "rollout.urls=[http://127.0.0.1:2]"])
+    cfg = load_config(TINY, ["rollout.urls=[http://127.0.0.1:2,http://127.0.0.1:3]"])
+    assert cfg.rollout.server_urls() == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    assert load_config(TINY).rollout.server_urls() == ["http://127.0.0.1:8000"]
+
+
 def test_pool_samples_equal_one_server_and_pushes_reach_all(
     servers: list[ServeProcess], base_policy_dir: Path, tmp_path: Path
 ) -> None:
