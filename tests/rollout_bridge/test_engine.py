@@ -368,8 +368,9 @@ def test_default_export_folder_keeps_one_version_and_close_removes_it(model):
 def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, fmt):
     """Kernels fake-quantized once at install (`engine_jit.install_kernels`, forward under
     `prequantized_weights`) against quantizing them in every forward (the previous engine:
-    the same params, the plain recipe): identical samples, logprobs and scores, bit for bit;
-    from the f32 masters and after a block-FP8 push (e4m3 codes + scales)."""
+    the same params, the plain recipe): identical scores bit for bit, from the f32 masters
+    and after a block-FP8 push (e4m3 codes + scales), whose samples and logprobs are checked
+    too."""
     cfg, graphdef, params, hf = model
     eng = EmbeddedBackend(cfg, graphdef, params, recipe=recipe, eos_id=EOS, export_root=tmp_path)
     raw = params
@@ -381,10 +382,11 @@ def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, f
     assert eng._forward_recipe.prequantized_weights == (recipe != "bf16")
     per_step = EmbeddedBackend(cfg, graphdef, None, recipe=recipe, eos_id=EOS)
     per_step._params, per_step._forward_recipe = raw, per_step.recipe  # the per-step path
-    sp = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3)
-    for a, b in zip(eng.generate(PROMPTS, sp), per_step.generate(PROMPTS, sp), strict=True):
-        np.testing.assert_array_equal(a.response_ids, b.response_ids)
-        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    if fmt == "fp8":  # the default run's path (prefill + decode loop); others score only
+        sp = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3)
+        for a, b in zip(eng.generate(PROMPTS, sp), per_step.generate(PROMPTS, sp), strict=True):
+            np.testing.assert_array_equal(a.response_ids, b.response_ids)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
     seqs = [[1, 2, 3, 4, 5], list(range(30, 60))]
     for a, b in zip(eng.score(seqs), per_step.score(seqs), strict=True):
         np.testing.assert_array_equal(a, b)
