@@ -114,7 +114,7 @@ def _wait_for_step(run_dir: Path, thread: threading.Thread, step: int) -> None:
 def _argv(run_dir: Path, cache_dir: Path, policy: Path, urls: list[str], *extra: str) -> list[str]:
     return ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
             f"rollout.urls=[{','.join(urls)}]", "rollout.timeout_s=5",
-            f"model.path={policy}", *extra)]  # fmt: skip
+            f"model.path={policy}", "train.eval_every=0", *extra)]  # fmt: skip
 
 
 def test_killed_server_is_dropped_and_the_run_finishes(
