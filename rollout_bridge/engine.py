@@ -28,12 +28,19 @@ The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server r
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
 embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
 
-How exports are held and consumed: `served_params` keeps every tensor as exported (bf16
-stays bf16; an FP8 linear stays e4m3 codes + f32 block scales, 1 byte per weight), and the
-model widens them where it uses them, dequantizing an FP8 linear to f32, `w = q * s`, one
-layer at a time inside its layer scan; the recipe re-quantizes it at compute time. That is not bit-idempotent in general: the
-re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged
-and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
+How exports are held and consumed (quantized once per push, issue 13): `served_params` reads
+every tensor as exported (bf16 stays bf16; an FP8 linear is e4m3 codes + f32 block scales),
+then `engine_jit.install_kernels` turns each decoder linear's kernel, once per install, into
+the operand every forward would compute from it: for an FP8 recipe the fake-quantized f32
+values `Q(w)` (an FP8 linear first widened to `w = q * s`), for the unquantized recipe the
+cast to the compute dtype. The forward then runs with `prequantized_weights=True`, so a decode
+step only quantizes its activations. The numbers are those of re-quantizing in every step, bit
+for bit (tested); the cost is memory: the installed kernels take 4 bytes per weight (f32
+holding FP8 values; embeddings, norms, biases stay as exported), which on CPU is faster than
+dequantizing 1-byte codes in every decode step. Re-quantizing `q * s` is not bit-idempotent in
+general: the re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes
+are unchanged and scales agree to <= 1 ulp (tested), so the engine computes with q * s' for
+|s' - s| <= 1 ulp, exactly as before.
 Measured against the trainer's own recipe on the f32 masters (tiny model, N(0, 0.02) weights,
 f32 compute, `tests/rollout_bridge/test_engine.py`): max |logprob diff| ~1e-6 with "fp8_fp32"
 (the FP8 values, other tensors f32) and ~1e-2 with "fp8" (bf16 embeddings / norms / biases).
@@ -43,6 +50,7 @@ trainer's FP8 weights are Q(bf16(W)) while every export holds Q(W): ~1e-2 apart 
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import shutil
 import threading
@@ -65,7 +73,7 @@ from rollout_bridge.backend import (
     RolloutError,
     SamplingParams,
 )
-from rollout_bridge.engine_jit import generate_rows, score_logprobs, score_ranks
+from rollout_bridge.engine_jit import generate_rows, install_kernels, score_logprobs, score_ranks
 from rollout_bridge.weight_files import default_root
 
 _MIN_ROWS, _MIN_PROMPT, _MIN_NEW, _STOP_SLOTS = 8, 16, 16, 8
@@ -86,7 +94,7 @@ def served_params(
     tensors: Mapping[str, np.ndarray],
     quantization_config: Mapping[str, Any] | None,
 ) -> Any:
-    """The params the engine computes with, from the HF tensors of an export, kept compact:
+    """The params of an export as exported, before `install_kernels` (EmbeddedBackend.params):
     every tensor in its exported dtype (bf16 stays bf16), and each FP8 `weight` +
     `weight_scale_inv` pair as a `models.fp8.StoredFP8Weight` (e4m3 codes [L, in, out] and f32
     block scales [L, in/B, out/B], B from `quantization_config`), which the model expands to
@@ -118,10 +126,14 @@ def served_params(
         s = np.stack([np.asarray(scales[n], np.float32).T for n in names])
         if rows[0].layer is None:
             s = s[0]
-        node = params
-        for key in path:
-            node = node[key]
+        node = _node(params, path)
         node.set_value(fp8.StoredFP8Weight(node.get_value(), jnp.asarray(s), tuple(block)))
+    return params
+
+
+def _node(params: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        params = params[key]
     return params
 
 
@@ -132,8 +144,8 @@ class EmbeddedBackend(RolloutBackend):
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
       graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
         params are copied, so the caller may donate or delete its own buffers. params=None:
-        no weights until the first `push_weights` / `load_export_dir` (which then hold only
-        the compact export, never an f32 copy); generate / score refuse until then.
+        no weights until the first `push_weights` / `load_export_dir`; generate / score
+        refuse until then.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
       eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
@@ -167,8 +179,15 @@ class EmbeddedBackend(RolloutBackend):
         # Own buffers: the trainer donates its train-state params to its update, and a
         # `device_put` to the same placement returns the same buffers, so holding the caller's
         # arrays could leave the engine with deleted ones. None: no weights until a push.
-        self.params = None if params is None else jax.tree.map(jnp.copy, params)
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        # Weights are fake-quantized once when installed (`install_kernels`), so the forward
+        # runs with prequantized_weights=True (the emulated FP8 GEMM; Pallas quantizes itself).
+        self._forward_recipe = (
+            dataclasses.replace(self.recipe, prequantized_weights=True)
+            if self.recipe.quantized and self.recipe.backend == "emulate"
+            else self.recipe
+        )
+        self.params = None if params is None else jax.tree.map(jnp.copy, params)
         self.eos_id = eos_id
         self.max_len = int(max_len or cfg.max_position_embeddings)
         # The engine loads an export right after writing it, so one version on disk is enough;
@@ -207,14 +226,25 @@ class EmbeddedBackend(RolloutBackend):
     # -- RolloutBackend --------------------------------------------------------------------
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        seed_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """All prompts x n samples in one jitted loop; completions prompt-major."""
+        """All prompts x n samples in one jitted loop; completions prompt-major. Sample j of
+        prompt i is keyed by (seed, seed_indices[i], j) (default seed index: i)."""
         sp = sampling
         self._check_weights()
         prompts = [tuple(int(t) for t in p) for p in prompts]
         if not prompts:
             return []
+        seed_idx = list(range(len(prompts))) if seed_indices is None else list(seed_indices)
+        if len(seed_idx) != len(prompts) or any(not 0 <= k < 2**31 for k in seed_idx):
+            raise RolloutError(
+                f"embedded: seed_indices needs one index in [0, 2^31) per prompt "
+                f"({len(prompts)}), got {seed_idx[:5]}..."
+            )
         for i, p in enumerate(prompts):
             if not p:
                 raise RolloutError(f"embedded: prompt {i} is empty; give at least one token")
@@ -241,6 +271,7 @@ class EmbeddedBackend(RolloutBackend):
         prompt = np.zeros((b, plen), np.int32)
         mask = np.zeros((b, plen), np.int32)
         prompt_idx = np.zeros((b,), np.int32)
+        key_idx = np.zeros((b,), np.int32)
         sample_idx = np.zeros((b,), np.int32)
         max_new = np.zeros((b,), np.int32)
         # Padding rows hold one real token so that no row attends to nothing.
@@ -249,13 +280,14 @@ class EmbeddedBackend(RolloutBackend):
             i, j = divmod(r, sp.n)
             p = prompts[i]
             prompt[r, plen - len(p) :], mask[r, plen - len(p) :] = p, 1
-            prompt_idx[r], sample_idx[r], max_new[r] = i, j, sp.max_tokens
+            prompt_idx[r], key_idx[r] = i, seed_idx[i]
+            sample_idx[r], max_new[r] = j, sp.max_tokens
         stop_ids = np.full((b, _STOP_SLOTS), -1, np.int32)
         stop_ids[:, : len(stops)] = sorted(stops)
         keys = smp.row_keys(
             jnp.full((b,), seed & 0xFFFFFFFF, jnp.uint32),
             jnp.full((b,), seed >> 32, jnp.uint32),
-            jnp.asarray(prompt_idx),
+            jnp.asarray(key_idx),
             jnp.asarray(sample_idx),
         )
         with self._lock:
@@ -272,7 +304,7 @@ class EmbeddedBackend(RolloutBackend):
                 jnp.asarray(stop_ids),
                 jnp.asarray(max_new),
                 cfg=self.cfg,
-                recipe=self.recipe,
+                recipe=self._forward_recipe,
                 cache_len=cache_len,
             )
             toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
@@ -309,7 +341,7 @@ class EmbeddedBackend(RolloutBackend):
                 self.params,
                 jnp.asarray(tokens),
                 jnp.asarray(mask),
-                recipe=self.recipe,
+                recipe=self._forward_recipe,
             )
             lp = np.asarray(lp)
         return [lp[r, :n].copy() for r, n in enumerate(lengths)]
@@ -328,7 +360,7 @@ class EmbeddedBackend(RolloutBackend):
                 self.params,
                 jnp.asarray(tokens),
                 jnp.asarray(mask),
-                recipe=self.recipe,
+                recipe=self._forward_recipe,
             )
             lp, rank = np.asarray(lp), np.asarray(rank)
         return [(lp[r, :n].copy(), rank[r, :n].copy()) for r, n in enumerate(lengths)]
@@ -387,11 +419,43 @@ class EmbeddedBackend(RolloutBackend):
             expected_version=version,
             expected_manifest_sha256=manifest_sha256,
         )
-        params = served_params(self.cfg, tensors, manifest.get("quantization_config"))
+        params = self._installed(
+            served_params(self.cfg, tensors, manifest.get("quantization_config"))
+        )
         with self._lock:
-            self.params = params
+            self._params = params
             if version is not None:
                 self._version = version
+
+    @property
+    def params(self) -> Any | None:
+        """The installed weights: the export's tensors, with every decoder linear kernel
+        replaced by its operand values (`engine_jit.install_kernels`). Assigning params
+        (f32 masters, or `served_params` of an export) installs them."""
+        return self._params
+
+    @params.setter
+    def params(self, params: Any | None) -> None:
+        self._params = None if params is None else self._installed(params)
+
+    def _installed(self, params: Any) -> Any:
+        """A copy of `params` with the kernels turned into their operand values."""
+        params = jax.tree.map(lambda x: x, params)  # a new State: the caller's is kept
+        nodes = [_node(params, path) for path in self._kernel_paths()]
+        kernels = install_kernels(
+            [n.get_value() for n in nodes], recipe=self.recipe, dtype=self.cfg.compute_dtype
+        )
+        for node, k in zip(nodes, kernels, strict=True):
+            node.set_value(k)
+        return params
+
+    def _kernel_paths(self) -> list[tuple[str, ...]]:
+        """Param paths of the decoder linears' kernels (the GEMM weights of the recipe)."""
+        from models.hf_io import hf_name_map
+        from rollout_bridge.export import is_fp8_linear
+
+        rows = hf_name_map(self.cfg)
+        return list(dict.fromkeys(r.path for r in rows if is_fp8_linear(r.name, (0, 0))))
 
     def set_weight_version(self, version: str) -> None:
         """Labels the installed weights (the server's `/finish_weight_update`)."""

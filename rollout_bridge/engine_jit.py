@@ -1,5 +1,8 @@
 """The jitted programs of the embedded engine (`rollout_bridge.engine`): sampling and scoring.
 
+`install_kernels` runs once per weight install: it turns the decoder linears' kernels into the
+values every forward would compute from them (the recipe's FP8 fake-quantization, or the cast
+to the compute dtype), so decoding no longer re-quantizes the weights at every step.
 `generate_rows` prefills the KV cache for a left-padded batch and runs `decode_step` + sampling
 in a `lax.while_loop` until every row has finished; `score_logprobs` / `score_ranks` give
 teacher-forced logprobs (and vLLM's `prompt_logprobs` ranks). Static arguments are the model
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models import fp8
 from models import functional as mf
 from models.config import ModelConfig
 from models.fp8 import Recipe
@@ -109,3 +113,25 @@ def score_ranks(
         jnp.concatenate([zero.astype(jnp.float32), tok_lp], axis=1),
         jnp.concatenate([zero + 1, rank.astype(jnp.int32)], axis=1),
     )
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "dtype"))
+def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> dict[Any, Any]:
+    """Linear kernels [L, in, out] (f32 / bf16 arrays or `models.fp8.StoredFP8Weight`) -> the
+    exact operands the forward multiplies with: per layer `fp8.fake_quantize_weight` (FP8
+    recipes; run under `recipe.prequantized_weights=True` afterwards) or the cast to the
+    compute dtype `dtype` (the unquantized recipe). Same values as computing them in every
+    decode step, so logits are unchanged bit for bit (tested)."""
+
+    def layer(w: Any) -> Array:  # one layer's kernel [in, out]
+        w = fp8.dense_weights(w)
+        return fp8.fake_quantize_weight(w, recipe) if recipe.quantized else w.astype(dtype)
+
+    def one(w: Any) -> Array:
+        f = layer
+        ndim = (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim
+        for _ in range(ndim - 2):  # per layer: a tensor-wise scale must not span layers
+            f = jax.vmap(f)
+        return f(w)
+
+    return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))

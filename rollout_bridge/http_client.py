@@ -16,7 +16,8 @@ reads `weight_version` (str, or null before any push; reported as "").
      "temperature": float (0 = greedy), "top_p": float, "top_k": int (-1 = off),
      "seed": int (key omitted when None), "logprobs": 0, "return_token_ids": true,
      "return_tokens_as_token_ids": true, "ignore_eos": bool, "stop_token_ids": [int, ...],
-     "skip_special_tokens": false, "include_stop_str_in_output": true}
+     "skip_special_tokens": false, "include_stop_str_in_output": true,
+     "jfp8rl_seed_indices": [int, ...] (only when given: `rollout_bridge.pool`)}
   reads `choices`: exactly n * len(prompts) entries, prompt-major (prompt i sample j at
   position i * n + j); if every choice has an int `index` they are sorted by it and must be
   0..N-1. Per choice: `token_ids` [int], `logprobs.token_logprobs` [float] (same length as
@@ -82,6 +83,7 @@ from rollout_bridge.backend import (
     SamplingParams,
 )
 from rollout_bridge.export import ExportFormat, export_weights
+from rollout_bridge.openai_format import SEED_INDICES
 from rollout_bridge.weight_files import MANIFEST, default_root, sha256_file
 
 VLLM_CLAMP = -9999.0  # vLLM clamps -inf logprobs to this; a clamp means a broken distribution
@@ -112,7 +114,8 @@ class HttpBackend(RolloutBackend):
       export_format: rollout format of pushed weights ("fp32" | "bf16" | "fp8" | "fp8_fp32";
         `rollout_bridge.export`). A CPU vLLM needs "fp32", "bf16" or "fp8_fp32".
       export_root: folder for exports (default `/dev/shm/jfp8rl/run-<pid>`, removed by
-        `close()`); must be readable by the server (same machine).
+        `close()`); must be readable by the server: /dev/shm on the same host, a shared
+        filesystem otherwise (`rollout.export_root`).
       keep_versions: exported versions kept on disk (the served one and its predecessor).
       timeout_s: socket timeout per request (generation of a large batch may be slow).
       max_retries: extra attempts after a transient failure (refused / reset connection,
@@ -261,12 +264,18 @@ class HttpBackend(RolloutBackend):
     # ---------------------------------------------------------------------------- interface
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        seed_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
         """All prompts in one `/v1/completions` request (vLLM batches them; 64 separate
         requests are several times slower). With a seed, the same call reproduces the same
         samples; identical prompts in one call share their random stream (vLLM seeds per
-        request, not per prompt)."""
+        request, not per prompt). `seed_indices` go out as `jfp8rl_seed_indices` (read by
+        `rollout_bridge.serve`; vLLM ignores the field, its samples do not depend on the
+        prompt's position anyway)."""
         if not prompts:
             return []
         prompts = [[int(t) for t in p] for p in prompts]
@@ -288,6 +297,8 @@ class HttpBackend(RolloutBackend):
         }
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if seed_indices is not None:
+            body[SEED_INDICES] = [int(k) for k in seed_indices]
         before = self.weight_version()
         resp = self._request("POST", "/v1/completions", body)
         after = self.weight_version()

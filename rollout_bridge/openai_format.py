@@ -24,6 +24,7 @@ from tokenizers.decoders import DecodeStream
 
 from rollout_bridge.backend import Completion, SamplingParams
 
+SEED_INDICES = "jfp8rl_seed_indices"  # request extension field (CompletionRequest)
 LOGPROB_CLAMP = -9999.0  # vLLM's floor for -inf
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy (and then refuses n > 1)
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}
@@ -94,6 +95,9 @@ class CompletionRequest:
     skip_special: bool  # skip_special_tokens when building `text`
     want_logprobs: bool  # `logprobs` given (only 0 is served)
     want_prompt_logprobs: bool  # `prompt_logprobs` given (only 0 is served)
+    # `jfp8rl_seed_indices` (our extension; vLLM accepts and ignores unknown fields, and its
+    # samples depend on the seed alone): the index each prompt's samples are seeded with.
+    seed_indices: list[int] | None = None
 
 
 def _int_list(x: Any, what: str) -> list[int]:
@@ -169,6 +173,15 @@ def parse_completion_request(
         )
     prompts = parse_prompts(body, tokenizer)
     sampling = parse_sampling(body)
+    seed_indices = body.get(SEED_INDICES)
+    if seed_indices is not None:
+        seed_indices = _int_list(seed_indices, SEED_INDICES)
+        if len(seed_indices) != len(prompts):
+            raise ApiError(
+                HTTPStatus.BAD_REQUEST,
+                f"'{SEED_INDICES}' has {len(seed_indices)} entries for {len(prompts)} prompts",
+                param=SEED_INDICES,
+            )
     return CompletionRequest(
         prompts=prompts,
         sampling=sampling,
@@ -177,6 +190,7 @@ def parse_completion_request(
         skip_special=bool(body.get("skip_special_tokens", True)),
         want_logprobs=body.get("logprobs") is not None,
         want_prompt_logprobs=body.get("prompt_logprobs") is not None,
+        seed_indices=seed_indices,
     )
 
 

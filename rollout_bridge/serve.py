@@ -9,7 +9,9 @@ The routes and JSON are those of vLLM 0.32 that `rollout_bridge.http_client.Http
                                     temperature, top_p, top_k, seed, logprobs (0),
                                     return_token_ids, return_tokens_as_token_ids,
                                     prompt_logprobs (0), stop_token_ids, ignore_eos,
-                                    skip_special_tokens; choices prompt-major (p0 x n, p1 x n..)
+                                    skip_special_tokens; choices prompt-major (p0 x n, p1 x n..);
+                                    extension `jfp8rl_seed_indices` [int] (one per prompt: the
+                                    index its samples are seeded with; `rollout_bridge.pool`)
   POST /pause?mode=wait             waits for in-flight generations; new ones wait for /resume
                                     (every mode behaves as "wait")
   POST /resume
@@ -103,7 +105,7 @@ def completions(state: ServerState, body: dict[str, Any]) -> dict[str, Any]:
     req = oaf.parse_completion_request(body, model_name=state.model_name, tokenizer=state.tokenizer)
     state.enter()
     try:
-        results = state.engine.generate(req.prompts, req.sampling)
+        results = state.engine.generate(req.prompts, req.sampling, seed_indices=req.seed_indices)
         scored = state.engine.score_with_ranks(req.prompts) if req.want_prompt_logprobs else None
     except RolloutError as e:
         raise ApiError(HTTPStatus.BAD_REQUEST, str(e)) from e

@@ -25,6 +25,7 @@ numpy API has no bfloat16/float8 arrays; files load unchanged with `safetensors.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -33,7 +34,8 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,51 +131,117 @@ def _le_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8))
 
 
-def write_safetensors(
-    path: Path, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """Writes `tensors` to `path` in safetensors format; returns {name: sha256 of its bytes}."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
+# Tensor bytes are written, read and hashed by worker threads (os.pwrite / os.preadv and
+# hashlib release the GIL), several tensors at once; the writer holds at most _IN_FLIGHT.
+_IO_THREADS = max(2, min(8, os.cpu_count() or 1))
+_IN_FLIGHT = 2 * _IO_THREADS
+# Header room of a streamed export (tensors unknown until produced): ~150 bytes per tensor,
+# so 1 MiB fits ~7000 tensors; a larger header moves the data once (`_fit_header`).
+_HEADER_RESERVE = 1 << 20
+
+
+def _header(
+    entries: list[tuple[str, str, list[int], int]], metadata: Mapping[str, str] | None
+) -> bytes:
+    """The safetensors JSON header of (name, dtype tag, shape, nbytes) entries, in order."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    views = {}
-    for name, arr in tensors.items():
-        view = _le_bytes(arr)
-        views[name] = view
-        header[name] = {
-            "dtype": st_dtype(arr),
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + view.nbytes],
-        }
-        offset += view.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned (as safetensors writes it)
-    hashes = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, view in views.items():
-            f.write(view)
-            hashes[name] = hashlib.sha256(view).hexdigest()
-    return hashes
+    for name, tag, shape, nbytes in entries:
+        header[name] = {"dtype": tag, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return json.dumps(header, separators=(",", ":")).encode()
 
 
-def read_safetensors(path: Path) -> tuple[dict[str, Any], bytearray, int]:
-    """Reads a whole safetensors file: (header, file bytes, data start offset).
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _write_and_hash(fd: int, view: memoryview, offset: int) -> str:
+    _pwrite_all(fd, view, offset)
+    return hashlib.sha256(view).hexdigest()
+
+
+def write_safetensors(
+    path: Path,
+    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Writes `tensors` to `path` in safetensors format; returns {name: {dtype, shape,
+    sha256}} (sha256 of the tensor's raw little-endian bytes), in file order.
+
+    `tensors` may be a dict or (name, array) pairs produced one at a time (an export being
+    converted): each tensor is written at its offset and hashed by worker threads while the
+    next one is produced, and at most `_IN_FLIGHT` arrays are held, so host memory stays
+    bounded by a few tensors. The header goes last: exactly sized for a dict; for a stream,
+    into `_HEADER_RESERVE` bytes padded with spaces (JSON allows them; `safe_open` reads it),
+    moving the data once if the header does not fit."""
+    if isinstance(tensors, Mapping):
+        dry = [(n, st_dtype(a), list(a.shape), a.nbytes) for n, a in tensors.items()]
+        hlen = len(_header(dry, metadata))
+        start = 8 + hlen + (-hlen % 8)  # data 8-byte aligned, as safetensors writes it
+        items: Iterable[tuple[str, np.ndarray]] = tensors.items()
+    else:
+        start, items = _HEADER_RESERVE, tensors
+    entries: list[tuple[str, str, list[int], int]] = []
+    pending: collections.deque[Future[str]] = collections.deque()
+    futures: list[Future[str]] = []
+    offset = 0
+    with open(path, "w+b") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
+        fd = f.fileno()
+        for name, arr in items:
+            if name == "__metadata__":
+                raise ExportError("'__metadata__' is reserved in safetensors, not a tensor name")
+            view = _le_bytes(arr)
+            entries.append((name, st_dtype(arr), list(arr.shape), view.nbytes))
+            fut = pool.submit(_write_and_hash, fd, view, start + offset)
+            pending.append(fut)
+            futures.append(fut)
+            offset += view.nbytes
+            while len(pending) > _IN_FLIGHT:
+                pending.popleft().result()
+        hashes = [fut.result() for fut in futures]
+        if len({e[0] for e in entries}) != len(entries):
+            raise ExportError("tensor names repeat in the export; each HF name must be unique")
+        raw = _header(entries, metadata)
+        if 8 + len(raw) > start:
+            start = _fit_header(f, start, offset, 8 + len(raw))
+        _pwrite_all(fd, memoryview(struct.pack("<Q", start - 8) + raw.ljust(start - 8)), 0)
+    return {
+        e[0]: {"dtype": e[1], "shape": e[2], "sha256": h}
+        for e, h in zip(entries, hashes, strict=True)
+    }
+
+
+def _fit_header(f: Any, start: int, data_len: int, need: int) -> int:
+    """Moves `data_len` bytes of data from `start` to a larger 8-aligned start >= need."""
+    new_start = need + (-need % 8)
+    shift = new_start - start
+    fd, chunk = f.fileno(), 64 << 20
+    for hi in range(data_len, 0, -chunk):  # back to front: the ranges may overlap
+        lo = max(0, hi - chunk)
+        _pwrite_all(fd, memoryview(os.pread(fd, hi - lo, start + lo)), start + lo + shift)
+    return new_start
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(header, data start offset, file size) of a safetensors file.
 
     Raises `ExportError` naming the file if it is truncated or its header is malformed."""
     size = path.stat().st_size
-    buf = bytearray(size)
     with open(path, "rb") as f:
-        got = f.readinto(buf)
-    if got != size or size < 8:
-        raise ExportError(f"{path}: short read ({got} of {size} bytes); the file is truncated")
-    (hlen,) = struct.unpack("<Q", buf[:8])
-    if 8 + hlen > size:
-        raise ExportError(f"{path}: header length {hlen} exceeds the file size {size}; truncated")
+        head = f.read(8)
+        if len(head) < 8:
+            raise ExportError(f"{path}: {size} bytes, no safetensors header; the file is truncated")
+        (hlen,) = struct.unpack("<Q", head)
+        if 8 + hlen > size:
+            raise ExportError(
+                f"{path}: header length {hlen} exceeds the file size {size}; truncated"
+            )
+        raw = f.read(hlen)
     try:
-        header = json.loads(bytes(buf[8 : 8 + hlen]))
+        header = json.loads(raw)
     except ValueError as e:
         raise ExportError(f"{path}: malformed safetensors header ({e})") from e
     start = 8 + hlen
@@ -186,7 +254,18 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], bytearray, int]:
                 f"{path}: tensor {name!r} ends at byte {start + hi} but the file has {size} "
                 "bytes; the file is truncated, export it again"
             )
-    return header, buf, start
+    return header, start, size
+
+
+def _read_and_hash(fd: int, view: memoryview, offset: int, verify: bool) -> str | None:
+    """Fills `view` from the file at `offset` (short read: None), then its sha256."""
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            return None
+        done += n
+    return hashlib.sha256(view).hexdigest() if verify else ""
 
 
 def sha256_file(path: Path) -> str:
@@ -197,13 +276,14 @@ def sha256_file(path: Path) -> str:
 def write_export(
     root: Path,
     version: str,
-    tensors: Mapping[str, np.ndarray],
+    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
     *,
     fmt: str,
     quantization_config: Mapping[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
     """Writes one version under `root` atomically and keeps only the newest `keep` versions.
+    `tensors` may stream (`write_safetensors`: a few tensors in host memory at a time).
 
     Returns the version folder `<root>/<version>` (it replaces an older folder of the same name).
     """
@@ -213,7 +293,7 @@ def write_export(
     tmp = root / f"{PARTIAL_PREFIX}{version}-{os.getpid()}-{next(_partial_counter)}"
     tmp.mkdir()
     try:
-        hashes = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"})
+        infos = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"})
         manifest = {
             "format_version": FORMAT_VERSION,
             "version": version,
@@ -221,15 +301,7 @@ def write_export(
             "created_ns": time.time_ns(),
             "quantization_config": dict(quantization_config) if quantization_config else None,
             "files": {TENSOR_FILE: {"size": (tmp / TENSOR_FILE).stat().st_size}},
-            "tensors": {
-                name: {
-                    "file": TENSOR_FILE,
-                    "dtype": st_dtype(arr),
-                    "shape": list(arr.shape),
-                    "sha256": hashes[name],
-                }
-                for name, arr in tensors.items()
-            },
+            "tensors": {name: {"file": TENSOR_FILE, **info} for name, info in infos.items()},
         }
         # Manifest last: a folder without one is never complete.
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -388,14 +460,14 @@ def load_export(
                 f"{path}: {path.stat().st_size} bytes, the manifest says {want}; the file is "
                 "truncated or was rewritten, export again"
             )
-        header, buf, start = read_safetensors(path)
+        header, start, size = read_safetensors_header(path)
         listed = {k for k in header if k != "__metadata__"}
         if listed != set(names):
             raise ExportError(
                 f"{path}: tensors {sorted(listed ^ set(names))[:5]} differ between the file "
                 "and the manifest"
             )
-        mem = memoryview(buf)
+        spans = {}
         for name in names:
             info, hinfo = manifest["tensors"][name], header[name]
             if hinfo["dtype"] != info["dtype"] or list(hinfo["shape"]) != list(info["shape"]):
@@ -407,12 +479,26 @@ def load_export(
             n_elem = int(np.prod(info["shape"], dtype=np.int64))
             if hi - lo != n_elem * _ST_ITEMSIZE[info["dtype"]]:
                 raise ExportError(f"{path}: tensor {name!r} has {hi - lo} bytes, wrong size")
-            view = mem[start + lo : start + hi]
-            if verify and hashlib.sha256(view).hexdigest() != info["sha256"]:
+            spans[name] = (lo, hi)
+        # One private buffer per file (not a mapping of it: the bytes verified are the bytes
+        # used even if the file changes afterwards), filled and hashed by worker threads.
+        mem = memoryview(bytearray(size - start))
+        with open(path, "rb") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
+            digests = {
+                name: pool.submit(_read_and_hash, f.fileno(), mem[lo:hi], start + lo, verify)
+                for name, (lo, hi) in spans.items()
+            }
+            digests = {name: fut.result() for name, fut in digests.items()}
+        for name in names:
+            info, (lo, hi) = manifest["tensors"][name], spans[name]
+            if digests[name] is None:
+                raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
+            if verify and digests[name] != info["sha256"]:
                 raise ExportError(
                     f"{path}: sha256 of tensor {name!r} does not match the manifest; the file "
                     "was modified after export, export again"
                 )
+            view = mem[lo:hi]
             if framework == "pt":
                 tensors[name] = _pt_tensor(view, info["dtype"], info["shape"])
             else:

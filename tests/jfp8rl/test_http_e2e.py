@@ -8,13 +8,9 @@ command, with its last checkpoint loadable.
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,26 +23,8 @@ from jfp8rl.train import main
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "rollout_bridge"))
 
-from vllm_server import VllmServer, free_port  # noqa: E402  (the bridge's vLLM fixture)
-
-
-def _start_serve(model_dir: Path, port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_bridge.serve", "--model", str(model_dir),
-         "--port", str(port), "--recipe", "fp8_block"],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rollout_bridge.serve exited early:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError("rollout_bridge.serve did not become healthy in 300 s")
+from serve_proc import ServeProcess  # noqa: E402  (the bridge's server fixtures)
+from vllm_server import VllmServer  # noqa: E402
 
 
 def _finite_steps(run_dir: Path) -> list[int]:
@@ -61,8 +39,8 @@ def _finite_steps(run_dir: Path) -> list[int]:
 def test_serve_backend_then_server_dies(
     base_policy_dir: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    port = free_port()
-    proc = _start_serve(base_policy_dir, port, tmp_path / "serve.log")
+    srv = ServeProcess(base_policy_dir, tmp_path / "serve.log").wait_healthy()
+    port = srv.port
     run_dir = tmp_path / "http"
     argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
             f"rollout.url=http://127.0.0.1:{port}", "rollout.timeout_s=5", "train.steps=40",
@@ -83,8 +61,7 @@ def test_serve_backend_then_server_dies(
                 break
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        srv.kill()
     thread.join(timeout=300)
     assert not thread.is_alive()
     assert result["rc"] == 1, "a dead rollout server must end the run with exit code 1"

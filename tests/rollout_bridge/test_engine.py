@@ -21,6 +21,7 @@ from models.fp8 import get_recipe
 from models.hf_io import from_hf_state_dict, hf_name_map, random_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.engine import EmbeddedBackend, bucket, served_params
+from rollout_bridge.weight_files import load_export
 
 EOS = 256
 PROMPTS = [[5, 17, 99, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
@@ -293,7 +294,6 @@ def test_fp8_export_round_trip(tmp_path):
     like the trainer's recipe on the masters to float rounding; the GPU-server format "fp8"
     also rounds embeddings, norms and biases to bf16 (measured 0.01 max on N(0, 0.02) weights)."""
     from models import fp8
-    from rollout_bridge.weight_files import load_export
 
     cfg = get_config("tiny_qwen2", compute_dtype=jnp.float32)
     graphdef, _ = mf.init_model(cfg, 0)
@@ -359,3 +359,36 @@ def test_default_export_folder_keeps_one_version_and_close_removes_it(model):
     assert not eng.export_root.exists() and not eng.health()
     with pytest.raises(RolloutError, match="closed"):
         eng.generate([[1]], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "fmt"),
+    [("fp8_block", None), ("fp8_block", "fp8"), ("fp8_tensor", None), ("bf16", None)],
+)
+def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, fmt):
+    """Kernels fake-quantized once at install (`engine_jit.install_kernels`, forward under
+    `prequantized_weights`) against quantizing them in every forward (the previous engine:
+    the same params, the plain recipe): identical scores bit for bit, from the f32 masters
+    and after a block-FP8 push (e4m3 codes + scales), whose samples and logprobs are checked
+    too."""
+    cfg, graphdef, params, hf = model
+    eng = EmbeddedBackend(cfg, graphdef, params, recipe=recipe, eos_id=EOS, export_root=tmp_path)
+    raw = params
+    if fmt is not None:
+        eng.export_format = fmt
+        eng.push_weights(hf, "v1")
+        tensors, manifest = load_export(tmp_path / "v1")
+        raw = served_params(cfg, tensors, manifest["quantization_config"])
+    assert eng._forward_recipe.prequantized_weights == (recipe != "bf16")
+    per_step = EmbeddedBackend(cfg, graphdef, None, recipe=recipe, eos_id=EOS)
+    per_step._params, per_step._forward_recipe = raw, per_step.recipe  # the per-step path
+    if fmt == "fp8":  # the default run's path (prefill + decode loop); others score only
+        sp = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3)
+        for a, b in zip(eng.generate(PROMPTS, sp), per_step.generate(PROMPTS, sp), strict=True):
+            np.testing.assert_array_equal(a.response_ids, b.response_ids)
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    seqs = [[1, 2, 3, 4, 5], list(range(30, 60))]
+    for a, b in zip(eng.score(seqs), per_step.score(seqs), strict=True):
+        np.testing.assert_array_equal(a, b)
+    eng.close()
+    per_step.close()

@@ -158,6 +158,34 @@ def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path) -> None:
             assert man["tensors"][name]["shape"] == list(x.shape)
 
 
+@pytest.mark.parametrize("reserve", [None, 64])
+def test_streamed_export_bounded_header_and_moved_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reserve: int | None
+) -> None:
+    """`export_weights` streams (name, array) pairs: the header is written last into a
+    reserved region (padded with spaces), or, when it does not fit (reserve 64 bytes), the
+    data is moved once. Either way the stock safetensors reader and `load_export` read back
+    exactly a dict export's tensors and hashes."""
+    import rollout_bridge.weight_files as wf
+
+    if reserve is not None:
+        monkeypatch.setattr(wf, "_HEADER_RESERVE", reserve)
+    st = _state()
+    streamed = export_weights(iter(list(st.items())), "s", fmt="bf16", root=tmp_path / "a")
+    ref = wf.write_export(tmp_path / "b", "s", to_rollout_format(st, "bf16")[0], fmt="bf16")
+    got, man = load_export(streamed)
+    want, man_ref = load_export(ref)
+    assert man["tensors"] == man_ref["tensors"]
+    with safe_open(str(streamed / TENSOR_FILE), framework="np") as f:
+        assert list(f.keys()) == sorted(st)
+    for name in st:
+        np.testing.assert_array_equal(got[name].view(np.uint16), want[name].view(np.uint16))
+    _, start, _ = wf.read_safetensors_header(ref / TENSOR_FILE)
+    assert start % 8 == 0 and start < 2048  # a dict export's header is exactly sized
+    _, start, _ = wf.read_safetensors_header(streamed / TENSOR_FILE)
+    assert start % 8 == 0 and start == (wf._HEADER_RESERVE if reserve is None else start)
+
+
 def _flip_byte(path: Path, offset_from_end: int) -> None:
     data = bytearray(path.read_bytes())
     data[-offset_from_end] ^= 0x01
