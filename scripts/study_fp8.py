@@ -1,0 +1,212 @@
+"""The FP8 study's RL arms and its tables (issue 12, docs/fp8_study.md), from commands.
+
+    python scripts/study_fp8.py commands [--seeds 0,1]
+        One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
+    python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0]
+        Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
+        runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
+    python scripts/study_fp8.py table [--root runs/study]
+        The final table per arm (mean and spread over seeds: final and best greedy eval
+        accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
+        time) from each run's metrics.jsonl, in markdown.
+
+Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
+calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`). Token TIS (C = 2) in all; the
+rollout engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+CONFIG = "configs/study_scratchpad.yaml"
+ROOT = "runs/study"
+
+CLIPS: dict[str, list[str]] = {
+    "plain": ["algorithm.clip=plain"],
+    "track": ["algorithm.clip=calibrated", "calibration.mode=track"],
+    "hold": ["algorithm.clip=calibrated", "calibration.mode=hold"],
+    "lower": ["algorithm.clip=calibrated", "calibration.mode=hold", "calibration.upper_rule=plain"],
+}
+# The key arms first (they get the second seed when time allows).
+ARMS: dict[str, list[str]] = {"bf16": ["train.recipe=bf16", "rollout.recipe=bf16", *CLIPS["plain"]]}
+for _recipe in ("fp8_tensor", "fp8_block"):
+    for _clip, _sets in CLIPS.items():
+        ARMS[f"{_recipe}_{_clip}"] = [
+            f"train.recipe={_recipe}",
+            f"rollout.recipe={_recipe}",
+            *_sets,
+        ]
+KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
+
+
+def command(arm: str, seed: int, root: str = ROOT) -> list[str]:
+    """The training command of one arm and seed."""
+    return [
+        "python", "-m", "jfp8rl.train", "--config", CONFIG, f"run_dir={root}/{arm}_s{seed}",
+        f"train.seed={seed}", *ARMS[arm],
+    ]  # fmt: skip
+
+
+def run_all(jobs: list[tuple[str, int]], parallel: int, root: str) -> None:
+    """Runs the commands, `parallel` at a time, nice -n 10, each logging to its own file."""
+    pending, live = list(jobs), []
+    t0 = time.time()
+    while pending or live:
+        while pending and len(live) < parallel:
+            arm, seed = pending.pop(0)
+            if (Path(root) / f"{arm}_s{seed}" / "summary.json").is_file():
+                continue
+            log = Path(root) / f"{arm}_s{seed}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            cmd = ["nice", "-n", "10", sys.executable, *command(arm, seed, root)[1:]]
+            print(
+                f"[study] start {arm} s{seed}: {shlex.join(command(arm, seed, root))}", flush=True
+            )
+            live.append(
+                (
+                    arm,
+                    seed,
+                    time.time(),
+                    subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT),
+                )
+            )
+        time.sleep(5)
+        for item in list(live):
+            arm, seed, start, proc = item
+            if proc.poll() is not None:
+                live.remove(item)
+                print(f"[study] done {arm} s{seed} rc={proc.returncode} in {(time.time() - start) / 60:.1f} min "
+                      f"({len(pending)} pending, {len(live)} running, {(time.time() - t0) / 60:.1f} min so far)",
+                      flush=True)  # fmt: skip
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
+
+
+def run_summary(run_dir: Path) -> dict[str, float]:
+    """The per-run numbers of the final table."""
+    recs = _records(run_dir)
+    steps = [r for r in recs if r["step"] >= 1]
+
+    def series(key: str) -> np.ndarray:
+        return np.array([r[key] for r in steps if r.get(key) is not None], dtype=np.float64)
+
+    evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
+    last = steps[-1]["step"] if steps else 0
+    late = [r for r in steps if r["step"] > last - 10]  # the last 10 steps
+
+    def late_mean(key: str) -> float:
+        v = [r[key] for r in late if r.get(key) is not None]
+        return float(np.mean(v)) if v else float("nan")
+
+    def stat(fn, key: str) -> float:
+        v = series(key)
+        return float(fn(v)) if len(v) else float("nan")
+
+    clock = (run_dir / "metrics.jsonl").stat().st_mtime - (run_dir / "config.yaml").stat().st_mtime
+    return {
+        "steps": float(last),
+        "eval_base": evals[0][1] if evals else float("nan"),
+        "eval_final": evals[-1][1] if evals else float("nan"),
+        "eval_best": max(e[1] for e in evals) if evals else float("nan"),
+        "acc_last10": late_mean("reward/accuracy"),
+        "entropy_start": stat(lambda v: v[0], "actor/entropy"),
+        "entropy_peak": stat(np.max, "actor/entropy"),
+        "garbled_last10": late_mean("reward/unparsed_frac"),
+        "garbled_peak": stat(np.max, "reward/unparsed_frac"),
+        "len_last10": late_mean("response_length/mean"),
+        "clip_neg_lower": stat(np.mean, "actor/clipfrac_neg_lower_of_neg"),
+        "clip_pos_upper": stat(np.mean, "actor/clipfrac_pos_upper_of_pos"),
+        "L_mean": stat(np.mean, "calib/lower"),
+        "H_mean": stat(np.mean, "calib/upper"),
+        "mkl_mean": stat(np.mean, "rollout_corr/kl"),
+        "wall_min": clock / 60,
+    }
+
+
+# (column header, summary key, digits)
+TABLE = (
+    ("steps", "steps", 0),
+    ("eval acc base", "eval_base", 3),
+    ("eval acc final", "eval_final", 3),
+    ("eval acc best", "eval_best", 3),
+    ("sampled acc (last 10 steps)", "acc_last10", 3),
+    ("entropy step 1", "entropy_start", 3),
+    ("peak entropy", "entropy_peak", 3),
+    ("garbled rate (last 10)", "garbled_last10", 3),
+    ("peak garbled rate", "garbled_peak", 3),
+    ("response length (last 10)", "len_last10", 1),
+    ("A<0 below lower bound", "clip_neg_lower", 3),
+    ("A>0 above upper bound", "clip_pos_upper", 3),
+    ("L mean", "L_mean", 3),
+    ("H mean", "H_mean", 3),
+    ("mismatch KL mean", "mkl_mean", 5),
+    ("wall (min)", "wall_min", 1),
+)
+
+
+def table(root: str) -> str:
+    """Markdown: one row per arm, mean (+- spread = half the range over seeds when > 1 seed)."""
+    head = "| arm | seeds | " + " | ".join(h for h, _, _ in TABLE) + " |"
+    lines = [head, "|" + "---|" * (len(TABLE) + 2)]
+    for arm in ARMS:
+        runs = sorted(p for p in Path(root).glob(f"{arm}_s*") if (p / "summary.json").is_file())
+        if not runs:
+            continue
+        sums = [run_summary(p) for p in runs]
+        cells = []
+        for _, key, d in TABLE:
+            v = np.array([s[key] for s in sums])
+            cell = f"{np.mean(v):.{d}f}"
+            if len(v) > 1:
+                cell += f" ± {(v.max() - v.min()) / 2:.{d}f}"
+            cells.append(cell)
+        seeds = ",".join(p.name.rsplit("_s", 1)[1] for p in runs)
+        lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python scripts/study_fp8.py")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("commands", "run"):
+        p = sub.add_parser(name)
+        p.add_argument("--arms", default=",".join(ARMS))
+        p.add_argument("--seeds", default="0")
+        p.add_argument("--root", default=ROOT)
+        if name == "run":
+            p.add_argument("--jobs", type=int, default=3)
+    t = sub.add_parser("table")
+    t.add_argument("--root", default=ROOT)
+    args = parser.parse_args(argv)
+    if args.cmd == "table":
+        print(table(args.root), end="")
+        return 0
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        print(f"error: unknown arms {unknown}; arms: {list(ARMS)}", file=sys.stderr)
+        return 2
+    jobs = [(a, int(s)) for s in args.seeds.split(",") for a in arms]
+    if args.cmd == "commands":
+        for arm, seed in jobs:
+            print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root))}")
+        return 0
+    run_all(jobs, args.jobs, args.root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
