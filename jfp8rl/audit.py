@@ -266,29 +266,29 @@ def run_audit(
             "logging.tensorboard=false"]  # fmt: skip
     cfg = load_config(config, sets)
     t, state, _, _ = setup(cfg, "never", log, sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
     try:
         stage_sync(t, state, 0)
         batch, _ = stage_rollout(t, Progress(), 1)
-        params = state["params"]
-        rows = []
+        n_tok = int(np.sum(batch.response_mask))
         for i, (recipe, grad) in enumerate(recipes):
-            rows += audit_recipe(t, params, batch, recipe, grad)
-            log(f"[audit] {recipe}/{grad} done ({i + 1}/{len(recipes)}, "
-                f"{time.perf_counter() - t0:.0f} s)")  # fmt: skip
+            rows += audit_recipe(t, state["params"], batch, recipe, grad)
+            elapsed = time.perf_counter() - t0
+            log(f"[audit] {recipe}/{grad} done ({i + 1}/{len(recipes)}, {elapsed:.0f} s)")
+            # Written after every recipe: a long audit interrupted keeps what it measured.
+            header = (
+                f"audit: {config} {' '.join(overrides)}; one rollout batch of "
+                f"{len(batch.tokens)} samples ({n_tok} response tokens), rollout recipe "
+                f"{cfg.rollout.recipe}, lr {cfg.optim.lr} (no warm-up), "
+                f"{cfg.train.mini_batches} mini-batches; {elapsed:.0f} s"
+            )
+            (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
+            (out / "audit.md").write_text(header + "\n\n" + markdown(rows))
     finally:
         t.backend.close()
         t.ckpt.close()
         t.metrics.close()
-    n_tok = int(np.sum(batch.response_mask))
-    header = (
-        f"audit: {config} {' '.join(overrides)}; one rollout batch of {len(batch.tokens)} "
-        f"samples ({n_tok} response tokens), rollout recipe {cfg.rollout.recipe}, lr "
-        f"{cfg.optim.lr}, {cfg.train.mini_batches} mini-batches; "
-        f"{time.perf_counter() - t0:.0f} s"
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "audit.md").write_text(header + "\n\n" + markdown(rows))
     return rows
 
 

@@ -132,12 +132,16 @@ def run_summary(run_dir: Path) -> dict[str, float]:
         "L_mean": stat(np.mean, "calib/lower"),
         "H_mean": stat(np.mean, "calib/upper"),
         "mkl_mean": stat(np.mean, "rollout_corr/kl"),
+        # Calibration steps only (calibrated arms): the BF16 shadow on the same tokens.
+        "cal_fp8_neg_lower": stat(np.mean, "calib/fp8_clipfrac_neg_lower_plain"),
+        "cal_bf16_neg_lower": stat(np.mean, "calib/bf16_clipfrac_neg_lower"),
+        "cal_fp8_neg_below_L": stat(np.mean, "calib/fp8_clipfrac_neg_lower_calibrated"),
         "wall_min": clock / 60,
     }
 
 
-# (column header, summary key, digits)
-TABLE = (
+# Two tables: outcomes, then the clipping mechanism. (column header, summary key, digits)
+OUTCOMES = (
     ("steps", "steps", 0),
     ("eval acc base", "eval_base", 3),
     ("eval acc final", "eval_final", 3),
@@ -148,34 +152,48 @@ TABLE = (
     ("garbled rate (last 10)", "garbled_last10", 3),
     ("peak garbled rate", "garbled_peak", 3),
     ("response length (last 10)", "len_last10", 1),
-    ("A<0 below lower bound", "clip_neg_lower", 3),
-    ("A>0 above upper bound", "clip_pos_upper", 3),
+    ("wall (min)", "wall_min", 1),
+)
+MECHANISM = (
+    ("A<0 below lower bound (of N)", "clip_neg_lower", 3),
+    ("A>0 above upper bound (of P)", "clip_pos_upper", 3),
     ("L mean", "L_mean", 3),
     ("H mean", "H_mean", 3),
     ("mismatch KL mean", "mkl_mean", 5),
-    ("wall (min)", "wall_min", 1),
+    ("calibration steps: A<0 with r8 < 1-eps_low", "cal_fp8_neg_lower", 3),
+    ("same tokens, BF16 shadow r16 < 1-eps_low", "cal_bf16_neg_lower", 3),
+    ("same tokens, r8 < L", "cal_fp8_neg_below_L", 3),
 )
 
 
 def table(root: str) -> str:
-    """Markdown: one row per arm, mean (+- spread = half the range over seeds when > 1 seed)."""
-    head = "| arm | seeds | " + " | ".join(h for h, _, _ in TABLE) + " |"
-    lines = [head, "|" + "---|" * (len(TABLE) + 2)]
+    """Markdown: one row per arm, mean (+- spread = half the range over seeds when > 1 seed);
+    the outcome table, then the mechanism table."""
+    summaries = {}
     for arm in ARMS:
-        runs = sorted(p for p in Path(root).glob(f"{arm}_s*") if (p / "summary.json").is_file())
-        if not runs:
-            continue
-        sums = [run_summary(p) for p in runs]
-        cells = []
-        for _, key, d in TABLE:
-            v = np.array([s[key] for s in sums])
-            cell = f"{np.mean(v):.{d}f}"
-            if len(v) > 1:
-                cell += f" ± {(v.max() - v.min()) / 2:.{d}f}"
-            cells.append(cell)
-        seeds = ",".join(p.name.rsplit("_s", 1)[1] for p in runs)
-        lines.append(f"| {arm} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        runs = sorted(p for p in Path(root).glob(f"{arm}_s*") if (p / "metrics.jsonl").is_file())
+        if runs:
+            summaries[arm] = (
+                [p.name.rsplit("_s", 1)[1] for p in runs],
+                [run_summary(p) for p in runs],
+            )
+    out = []
+    for columns in (OUTCOMES, MECHANISM):
+        lines = [
+            "| arm | seeds | " + " | ".join(h for h, _, _ in columns) + " |",
+            "|" + "---|" * (len(columns) + 2),
+        ]
+        for arm, (seeds, sums) in summaries.items():
+            cells = []
+            for _, key, d in columns:
+                v = np.array([x[key] for x in sums])
+                cell = "-" if np.all(np.isnan(v)) else f"{np.mean(v):.{d}f}"
+                if len(v) > 1 and not np.all(np.isnan(v)):
+                    cell += f" ± {(v.max() - v.min()) / 2:.{d}f}"
+                cells.append(cell)
+            lines.append(f"| {arm} | {','.join(seeds)} | " + " | ".join(cells) + " |")
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
