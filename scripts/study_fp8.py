@@ -5,6 +5,8 @@
     python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0]
         Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
+    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/runs]
+        Copies each run's metrics.jsonl, config.yaml and summary.json (no checkpoints).
     python scripts/study_fp8.py table [--root runs/study]
         The final table per arm (mean and spread over seeds: final and best greedy eval
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
@@ -200,6 +202,21 @@ def table(root: str) -> str:
     return "\n".join(out)
 
 
+def collect(root: str, dest: str) -> None:
+    """The small files of every run folder under `root`, copied to `dest/<run>/`."""
+    import shutil
+
+    for p in sorted(Path(root).iterdir()):
+        if not (p / "metrics.jsonl").is_file():
+            continue
+        out = Path(dest) / p.name
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "config.yaml", "summary.json"):
+            if (p / name).is_file():
+                shutil.copy2(p / name, out / name)
+        print(f"{p} -> {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/study_fp8.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -212,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--jobs", type=int, default=3)
     t = sub.add_parser("table")
     t.add_argument("--root", default=ROOT)
+    c = sub.add_parser("collect")
+    c.add_argument("--root", default=ROOT)
+    c.add_argument("--dest", default="docs/study/runs")
     args = parser.parse_args(argv)
+    if args.cmd == "collect":
+        collect(args.root, args.dest)
+        return 0
     if args.cmd == "table":
         print(table(args.root), end="")
         return 0
