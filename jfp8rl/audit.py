@@ -9,10 +9,12 @@ stages for the rollout; `losses.calibrated` for shares, balances and bounds):
 * noise floor: std over the batch's response tokens of log r = logp_new - logp_old at
   theta = theta_old, with logp_old from `prepare` (whole batch, its micro-batches) and logp_new
   as an update computes it (the mini-batches of the PPO schedule's first epoch, through
-  `step.map_micro`). Zero exactly when the recipe's forward does not depend on which other
-  samples share the GEMM: BF16, and FP8 row / block scales (per token row, per 1 x B tile)
-  are batch-invariant; per-tensor scales take the amax over the whole batch, so the same token
-  quantizes differently in the whole batch and in a mini-batch.
+  `step.map_micro`). Per-tensor scales take the amax over the whole activation tensor of
+  one forward, so the same token quantizes differently in the whole batch and in a mini-batch:
+  a real floor (3-4e-2 on the tiny policies, docs/fp8_study.md). BF16 and the per-row /
+  per-1 x B-tile FP8 scales are batch-invariant; what remains is float32 summation order
+  (XLA:CPU picks dot kernels by row count: ~5e-7 for BF16, exactly 0 at small shapes) and, for
+  FP8, the rare element that this moves across an FP8 rounding boundary (1e-7..2e-4).
 * after u = 1, 2, 4 optimizer updates (the trainer's `update` on the first u mini-batches of
   the step's schedule, at the configured lr without warm-up, plain bounds): std of log r (FP8 recipe), of the
   BF16 shadow's log r16 = logp16_new - logp16_old (same params, BF16 recipe), and of

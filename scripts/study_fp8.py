@@ -6,7 +6,7 @@
         Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
     python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/runs]
-        Copies each run's metrics.jsonl, config.yaml and summary.json (no checkpoints).
+        Copies each finished run's metrics.jsonl, config.yaml, summary.json (no checkpoints).
     python scripts/study_fp8.py table [--root runs/study]
         The final table per arm (mean and spread over seeds: final and best greedy eval
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
@@ -203,11 +203,11 @@ def table(root: str) -> str:
 
 
 def collect(root: str, dest: str) -> None:
-    """The small files of every run folder under `root`, copied to `dest/<run>/`."""
+    """The small files of every finished run (summary.json) under `root`, to `dest/<run>/`."""
     import shutil
 
     for p in sorted(Path(root).iterdir()):
-        if not (p / "metrics.jsonl").is_file():
+        if not (p / "summary.json").is_file():  # finished runs only
             continue
         out = Path(dest) / p.name
         out.mkdir(parents=True, exist_ok=True)

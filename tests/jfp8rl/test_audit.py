@@ -2,7 +2,9 @@
 construction (issue 12, part A).
 
 Exact references: the BF16 recipe is batch-invariant and is its own shadow, so its noise floor
-and its log r - log r16 are exactly 0; per-1x128-tile (block) scales are batch-invariant too;
+and its log r - log r16 are exactly 0 (at these small shapes XLA:CPU sums the mini-batch and
+the whole batch in the same order; at 512 samples it differs by ~5e-7, docs/fp8_study.md);
+per-1x128-tile (block) scales are batch-invariant too;
 the per-tensor scale is an amax over the whole batch, so the same token quantizes differently
 in the whole batch (old logprobs) and in a mini-batch (new logprobs): a non-zero floor. The
 calibrated lower bound leaves exactly round(alpha |N|) tokens of N below it (losses.calibrated),
