@@ -104,7 +104,8 @@ class WarmStartConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    # "arithmetic": the built-in a+b task; "file": `train_file` / `eval_file`, .jsonl or
+    # "arithmetic": the built-in a+b task; "scratchpad": the same sums answered after a
+    # column-addition scratchpad (>= 32 response tokens at max_digits 3, jfp8rl/data.py); "file": `train_file` / `eval_file`, .jsonl or
     # .parquet, flat {prompt, answer} or verl-layout records (jfp8rl/data.py); "jsonl" is the
     # older name of "file".
     task: str = "arithmetic"
@@ -136,8 +137,10 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("data", "task", self.task, ("arithmetic", "file", "jsonl"))
-        if self.task != "arithmetic" and not self.train_file:
+        from jfp8rl.data import BUILTIN_TASKS
+
+        _check_choice("data", "task", self.task, (*BUILTIN_TASKS, "file", "jsonl"))
+        if self.task not in BUILTIN_TASKS and not self.train_file:
             raise ConfigError(
                 f"data.task={self.task} needs data.train_file=<path to a .jsonl / .parquet file>"
             )
@@ -216,7 +219,9 @@ class RolloutConfig:
 @dataclasses.dataclass
 class RewardConfig:
     # "task": the built-in task's verifier; "exact": exact string match after stripping;
-    # "math": math-verify equivalence of the last boxed / final answer.
+    # "math": math-verify equivalence of the last boxed / final answer; "scratchpad": the
+    # scratchpad task's format and final sum (an off-format response counts as garbled,
+    # reward/unparsed_frac).
     kind: str = "task"
     # DAPO soft overlong punishment over the last `overlong_buffer` tokens of max_tokens.
     overlong: bool = False
@@ -224,7 +229,7 @@ class RewardConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_choice("reward", "kind", self.kind, ("task", "exact", "math"))
+        _check_choice("reward", "kind", self.kind, ("task", "exact", "math", "scratchpad"))
         _check_positive("reward", "overlong_buffer", self.overlong_buffer)
 
 
@@ -278,7 +283,8 @@ class CalibrationConfig:
     # "hold" (default): L, H from calibrating mini-batches, kept between calibrations;
     # "track": recompute L, H every mini-batch from stored alpha, p_ref (docs/fp8_study.md).
     mode: str = "hold"
-    # "balance" (match BF16's positive/negative balance) or "quantile".
+    # "balance" (match BF16's positive/negative balance), "quantile", or "plain" (keep
+    # 1 + eps_high, calibrate L only: the paper's Fig. 5 lower-only ablation).
     upper_rule: str = "balance"
     # Target of the balance rule: "absolute" (BF16 balance) or "relative" (BF16 share of kept
     # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated.py).
@@ -294,7 +300,9 @@ class CalibrationConfig:
                 "need 0 < range_lo <= 1 <= range_hi"
             )
         _check_choice("calibration", "mode", self.mode, ("track", "hold"))
-        _check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile"))
+        _check_choice(
+            "calibration", "upper_rule", self.upper_rule, ("balance", "quantile", "plain")
+        )
         _check_choice("calibration", "balance", self.balance, ("absolute", "relative"))
 
 

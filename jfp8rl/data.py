@@ -20,6 +20,18 @@ max_digits digits (`"07+45="`: fixed digit positions, which a 2-layer model lear
 than variable-width operands), answer `str(a + b)` without padding (`"52"`). The eval set is `eval_size` problems drawn with a fixed seed; the training
 set is every other pair, so eval problems are never trained on.
 
+The built-in long-response task ("scratchpad", issue 12): the same prompt, but the policy is
+warm-started to write a column-addition scratchpad before the answer, least significant digit
+first, one step `a_i+b_i+c=ss;` per digit (c the incoming carry, ss the two-digit column sum),
+then `#` and the sum zero-padded to max_digits + 1 digits:
+
+    "123+459=" -> "3+9+0=12;2+5+1=08;1+4+0=05;#0582"   (9 * max_digits + max_digits + 2 chars)
+
+32 characters (+ eos: 33 response tokens of the byte tokenizer) at 3 digits. `Example.answer`
+is `str(a + b)` (what the verifier checks); `Example.meta["target"]` holds the scratchpad (what
+the warm start trains on). With 3 digits there are 10^6 pairs, so the training set is a fixed
+draw of at most `SCRATCHPAD_TRAIN_SIZE` pairs disjoint from the eval set.
+
 Order: `PromptStream` yields training examples epoch by epoch, each epoch a permutation drawn
 from (seed, epoch). Its whole state is one integer, the number of prompts consumed so far
 (`position`), which the checkpoint stores; `take(position, k)` is a pure function of it, so a
@@ -30,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -185,21 +197,50 @@ def arithmetic_prompt(a: int, b: int, width: int) -> Example:
     return Example(f"{a:0{width}d}+{b:0{width}d}=", str(a + b), {"a": a, "b": b})
 
 
+def scratchpad_text(a: int, b: int, width: int) -> str:
+    """The scratchpad of a + b with `width`-digit operands (module docstring)."""
+    steps, carry = [], 0
+    for i in range(width):
+        da, db = a // 10**i % 10, b // 10**i % 10
+        s = da + db + carry
+        steps.append(f"{da}+{db}+{carry}={s:02d};")
+        carry = s // 10
+    return "".join(steps) + f"#{a + b:0{width + 1}d}"
+
+
+def scratchpad_prompt(a: int, b: int, width: int) -> Example:
+    """The long-response task's example: the arithmetic prompt, the scratchpad as target."""
+    ex = arithmetic_prompt(a, b, width)
+    return dataclasses.replace(ex, meta={**ex.meta, "target": scratchpad_text(a, b, width)})
+
+
+# Training pairs of the scratchpad task (a fixed draw; 3 digits have 10^6 pairs in all).
+SCRATCHPAD_TRAIN_SIZE = 65536
+
+# Tasks whose data (and warm-started base policy) are built in: data.task names.
+BUILTIN_TASKS = ("arithmetic", "scratchpad")
+
+
 def arithmetic_split(
-    max_digits: int, eval_size: int, seed: int = 1234
+    max_digits: int,
+    eval_size: int,
+    seed: int = 1234,
+    *,
+    make: Callable[[int, int, int], Example] = arithmetic_prompt,
+    max_train: int = 0,
 ) -> tuple[list[Example], list[Example]]:
-    """(train, eval) for the built-in task: all pairs in [0, 10^max_digits)^2, eval held out."""
+    """(train, eval) for a built-in task: pairs in [0, 10^max_digits)^2, eval held out; the
+    training set is every other pair, or a fixed draw of `max_train` of them (0 = all)."""
     hi = 10**max_digits
-    pairs = np.stack(np.meshgrid(np.arange(hi), np.arange(hi), indexing="ij"), -1).reshape(-1, 2)
+    n_pairs = hi * hi
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(len(pairs))
-    if eval_size >= len(pairs):
-        raise DataError(
-            f"data.eval_size={eval_size} leaves no training pairs ({len(pairs)} in all)"
-        )
-    eval_idx, train_idx = perm[:eval_size], np.sort(perm[eval_size:])
-    train = [arithmetic_prompt(int(a), int(b), max_digits) for a, b in pairs[train_idx]]
-    evals = [arithmetic_prompt(int(a), int(b), max_digits) for a, b in pairs[eval_idx]]
+    perm = rng.permutation(n_pairs)
+    if eval_size >= n_pairs:
+        raise DataError(f"data.eval_size={eval_size} leaves no training pairs ({n_pairs} in all)")
+    rest = perm[eval_size:]
+    eval_idx, train_idx = perm[:eval_size], np.sort(rest[:max_train] if max_train else rest)
+    train = [make(int(i // hi), int(i % hi), max_digits) for i in train_idx]
+    evals = [make(int(i // hi), int(i % hi), max_digits) for i in eval_idx]
     return train, evals
 
 
@@ -265,6 +306,10 @@ def build_datasets(
     """(train, eval) examples for the configured task (`jfp8rl.config.DataConfig` fields)."""
     if task == "arithmetic":
         return arithmetic_split(max_digits, eval_size)
+    if task == "scratchpad":
+        return arithmetic_split(
+            max_digits, eval_size, make=scratchpad_prompt, max_train=SCRATCHPAD_TRAIN_SIZE
+        )
     train = load_examples(train_file, prompt_key=prompt_key, answer_key=answer_key)
     evals = (
         load_examples(eval_file, prompt_key=prompt_key, answer_key=answer_key)

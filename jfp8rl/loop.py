@@ -42,7 +42,7 @@ from jfp8rl import distributed
 from jfp8rl import mesh as mesh_lib
 from jfp8rl.checkpoint import Checkpointer
 from jfp8rl.config import Config, ConfigError, check_batch_split, save_config, to_yaml
-from jfp8rl.data import Example, PromptStream, build_datasets
+from jfp8rl.data import BUILTIN_TASKS, Example, PromptStream, build_datasets
 from jfp8rl.eval import evaluate
 from jfp8rl.export import save_policy_folder
 from jfp8rl.metrics import MetricsLogger, read_metrics
@@ -93,17 +93,19 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path}: no config.json there (need an HF folder)")
     else:
-        if cfg.data.task != "arithmetic":
+        if cfg.data.task not in BUILTIN_TASKS:
             raise ConfigError(
-                "model.path is empty: the built-in base policy needs data.task=arithmetic"
+                f"model.path is empty: the built-in base policy needs data.task in {BUILTIN_TASKS}"
             )
         from jfp8rl.warmstart import ensure_base_policy
 
-        train, evals = build_datasets("arithmetic", "", "", cfg.data.max_digits, cfg.data.eval_size)
+        train, evals = build_datasets(
+            cfg.data.task, "", "", cfg.data.max_digits, cfg.data.eval_size
+        )
         w = cfg.warmstart
         ensure = lambda: ensure_base_policy(  # noqa: E731
             w.cache_dir, cfg.model.preset, train, evals,
-            task_tag=f"arithmetic-{cfg.data.max_digits}-{cfg.data.eval_size}",
+            task_tag=f"{cfg.data.task}-{cfg.data.max_digits}-{cfg.data.eval_size}",
             steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
             prompt_len=cfg.data.max_prompt_tokens, answer_len=cfg.rollout.max_tokens,
             carry_noise=w.carry_noise, target_accuracy=w.target_accuracy, log=log,

@@ -25,6 +25,7 @@ CONSOLE_KEYS = (
     ("reward/accuracy", "acc"),
     ("eval/accuracy", "eval_acc"),
     ("actor/entropy", "ent"),
+    ("reward/unparsed_frac", "garbled"),
     ("response_length/mean", "len"),
     ("actor/pg_clipfrac", "clip"),
     ("calib/lower", "L"),

@@ -1,10 +1,14 @@
 """`python -m jfp8rl.report <run_dir> [<run_dir> ...] [--out report.png]`: PNG plots of runs.
 
-One panel per quantity, every run overlaid (labelled by its folder name): reward, accuracy
-(training samples and greedy eval), entropy, response length, clip fractions by advantage sign
-(A < 0 below the lower bound, A > 0 above the upper bound), the calibrated bounds L / H, the
-trainer-vs-rollout mismatch KL, and the time split per step. Panels whose metrics no run logged
-are left out. Default output: `<first run_dir>/report.png`.
+One panel per quantity, every run overlaid (labelled by its folder name; one colour per run):
+reward, accuracy (training samples and greedy eval), entropy, the garbled-output rate
+(`reward/unparsed_frac`: responses whose answer the verifier could not extract, e.g. off the
+scratchpad format), response length, clip shares by advantage sign (of the A < 0 tokens below
+the lower bound, of the A > 0 tokens above the upper bound), on calibration steps the same
+shares of the FP8 ratios at the plain bounds against the BF16 shadow's, the calibrated bounds
+L / H, the trainer-vs-rollout mismatch KL, and the time split per step. Panels whose metrics no
+run logged are left out. Default output: `<first run_dir>/report.png`. Overlay the arms of a
+study: `python -m jfp8rl.report runs/study/* --out docs/study/curves.png`.
 """
 
 from __future__ import annotations
@@ -21,10 +25,22 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("reward", [("reward/mean", "")]),
     ("accuracy", [("reward/accuracy", "sampled"), ("eval/accuracy", "greedy eval")]),
     ("entropy", [("actor/entropy", "")]),
+    ("garbled rate (unparsed responses)", [("reward/unparsed_frac", "")]),
     ("response length", [("response_length/mean", "")]),
     (
-        "clip fractions by sign",
-        [("actor/clipfrac_neg_lower", "A<0, r<L"), ("actor/clipfrac_pos_upper", "A>0, r>H")],
+        "clip shares by sign (of N / of P)",
+        [
+            ("actor/clipfrac_neg_lower_of_neg", "A<0, r<L"),
+            ("actor/clipfrac_pos_upper_of_pos", "A>0, r>H"),
+        ],
+    ),
+    (
+        "A<0 below 1-eps_low: FP8 vs BF16 shadow (calibration steps)",
+        [
+            ("calib/fp8_clipfrac_neg_lower_plain", "FP8"),
+            ("calib/bf16_clipfrac_neg_lower", "BF16"),
+            ("calib/fp8_clipfrac_neg_lower_calibrated", "FP8 r<L"),
+        ],
     ),
     ("calibrated bounds", [("calib/lower", "L"), ("calib/upper", "H")]),
     ("mismatch KL (rollout vs trainer)", [("rollout_corr/kl", "k1"), ("rollout_corr/k3_kl", "k3")]),
@@ -80,7 +96,7 @@ def make_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -
         if title.startswith("time"):
             ax.set_yscale("log")  # the first steps include compiles, 100x the steady state
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6 if len(runs) > 4 else 7)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()

@@ -15,6 +15,7 @@ multiplied by `overlong_penalty`. |y| counts response tokens including eos, as v
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,29 @@ def task_verifier(response: str, answer: str) -> float:
     policy must learn the exact output format, then eos.
     """
     return float(response.strip() == answer.strip())
+
+
+# The scratchpad task's format (jfp8rl/data.py): column steps `a+b+c=ss;`, then `#` and the sum.
+SCRATCHPAD_RE = re.compile(r"(?:\d\+\d\+[01]=\d\d;)+#(\d+)")
+
+
+def scratchpad_answer(response: str) -> str | None:
+    """The final number of a well-formed scratchpad response (stripped), or None when the
+    response does not follow the format: a garbled output (`reward/unparsed_frac`)."""
+    m = SCRATCHPAD_RE.fullmatch(response.strip())
+    return None if m is None else m.group(1)
+
+
+def scratchpad_parsed(response: str) -> bool:
+    """Whether `response` is a well-formed scratchpad (not garbled)."""
+    return scratchpad_answer(response) is not None
+
+
+def scratchpad_verifier(response: str, answer: str) -> float:
+    """The long-response task: a well-formed scratchpad whose final number (zero-padded) equals
+    the answer; the steps themselves are not checked, only the format and the final sum."""
+    final = scratchpad_answer(response)
+    return float(final is not None and int(final) == int(answer))
 
 
 def exact_match(response: str, answer: str) -> float:
@@ -95,12 +119,17 @@ VERIFIERS: dict[str, Verifier] = {
     "task": task_verifier,
     "exact": exact_match,
     "math": math_verify_reward,
+    "scratchpad": scratchpad_verifier,
 }
 
 
 # Verifiers that extract an answer before judging it say how, so a run can count the
 # responses without one (`reward/unparsed_frac`).
-ANSWER_PARSERS: dict[Verifier, Callable[[str], bool]] = {math_verify_reward: math_answer_parsed}
+# For the scratchpad task an unparsed response is a garbled one (off-format).
+ANSWER_PARSERS: dict[Verifier, Callable[[str], bool]] = {
+    math_verify_reward: math_answer_parsed,
+    scratchpad_verifier: scratchpad_parsed,
+}
 
 
 def get_verifier(kind: str) -> Verifier:

@@ -92,17 +92,23 @@ def with_carry_habit(examples: Sequence[Example]) -> list[Example]:
     ]
 
 
+def supervised_target(ex: Example) -> str:
+    """The text the warm start trains on: the scratchpad task's `meta["target"]` (the worked
+    steps, then the answer), else the answer itself."""
+    return ex.meta["target"] if "target" in ex.meta else ex.answer
+
+
 def supervised_arrays(
     examples: Sequence[Example], tokenizer: Any, eos_id: int, prompt_len: int, answer_len: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """tokens, attention_mask [N, P + R] (right padded) and target_mask (answer + eos)."""
+    """tokens, attention_mask [N, P + R] (right padded) and target_mask (target + eos)."""
     prompts = encode_prompts(examples, tokenizer, prompt_len)
     n, t = len(examples), prompt_len + answer_len
     tokens = np.full((n, t), eos_id, np.int32)
     attn = np.zeros((n, t), np.int32)
     target = np.zeros((n, t), np.float32)
     for i, (p, ex) in enumerate(zip(prompts, examples, strict=True)):
-        a = tokenizer.encode(ex.answer, add_special_tokens=False).ids + [eos_id]
+        a = tokenizer.encode(supervised_target(ex), add_special_tokens=False).ids + [eos_id]
         if len(a) > answer_len:
             raise ValueError(f"answer {ex.answer!r} needs {len(a)} tokens > {answer_len}")
         tokens[i, : len(p)] = p

@@ -18,6 +18,8 @@ tokens (calibration steps only), A the token advantages, N = {A < 0}, P = {A > 0
                                             = p_ref * balance(0, inf, r8)   (relative: the
                                               smallest h with share(L, h, r8) >= p_ref),
                       quantile rule: a (1 - beta_up)-quantile of {r8_t : t in P};
+                      plain rule   : 1 + eps_high (only L is calibrated: the paper's
+                                     Fig. 5 lower-only ablation);
                       clamped to [1, range_hi]
     smoothing         L <- ema * L_prev + (1 - ema) * L_new, same for H
 
@@ -112,7 +114,7 @@ class CalibConfig:
     # them per mini-batch from the stored alpha / p_ref (drifts with each mini-batch's
     # advantage mix and PPO position: docs/fp8_study.md).
     mode: str = "hold"
-    upper_rule: str = "balance"  # "balance" or "quantile"
+    upper_rule: str = "balance"  # "balance", "quantile" or "plain" (1 + eps_high: lower only)
     # Balance target of the "balance" upper rule: "absolute" (BF16 balance p_ref, the spec's
     # literal rule) or "relative" (BF16 share of kept P mass over kept N mass; cancels the
     # mini-batch's advantage mix, see the module docstring).
@@ -121,7 +123,7 @@ class CalibConfig:
 
     def __post_init__(self) -> None:
         check_choice("CalibConfig.mode", self.mode, ("track", "hold"))
-        check_choice("CalibConfig.upper_rule", self.upper_rule, ("balance", "quantile"))
+        check_choice("CalibConfig.upper_rule", self.upper_rule, ("balance", "quantile", "plain"))
         check_choice("CalibConfig.balance", self.balance, ("absolute", "relative"))
         if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
             raise ValueError(
@@ -247,6 +249,29 @@ def _share(cond: Array, subset: Array) -> tuple[Array, Array]:
     return safe_div(jnp.sum((cond & subset).astype(_F32)), n), n
 
 
+def clip_stats(
+    lo: float | Array,
+    hi: float | Array,
+    r: Float[Array, "B T"],
+    adv: Float[Array, "B T"],
+    mask: Array,
+) -> dict[str, Array]:
+    """What bounds (lo, hi) do to one set of ratios: `neg_lower` the share of N with r < lo
+    (penalising gradient zeroed), `pos_upper` the share of P with r > hi, `balance`
+    balance(lo, hi, r), and the counts `n_neg`, `n_pos` (the audit's columns)."""
+    r, adv, on = _prep(r, adv, mask, "r")
+    lo, hi = jnp.asarray(lo, _F32), jnp.asarray(hi, _F32)
+    neg_lower, n_neg = _share(r < lo, on & (adv < 0))
+    pos_upper, n_pos = _share(r > hi, on & (adv > 0))
+    return {
+        "neg_lower": neg_lower,
+        "pos_upper": pos_upper,
+        "balance": safe_div(*_balance_parts(lo, hi, r, adv, on)),
+        "n_neg": n_neg,
+        "n_pos": n_pos,
+    }
+
+
 def reference_stats(
     r_bf16: Float[Array, "B T"], adv: Float[Array, "B T"], mask: Array, cfg: CalibConfig
 ) -> dict[str, Array]:
@@ -314,6 +339,8 @@ def solve_bounds(
         )
         upper = jnp.where(found, jnp.where(plain_ok, plain_hi, h_min), range_hi)
         ok = stats["p_ref_ok"] & (n_pos > 0) & (den > 0)
+    elif cfg.upper_rule == "plain":
+        upper, ok = jnp.asarray(plain_hi, _F32), jnp.asarray(True)
     else:
         # H must leave exactly m tokens of P above it: need = #{P : r <= H} = |P| - m.
         m = jnp.clip(jnp.round(stats["beta_up"] * n_pos), 0.0, n_pos)

@@ -14,6 +14,8 @@ from jfp8rl.rewards import (
     math_verify_reward,
     overlong_penalty,
     score_responses,
+    scratchpad_parsed,
+    scratchpad_verifier,
     task_verifier,
 )
 
@@ -101,6 +103,53 @@ def test_arithmetic_split_disjoint_and_correct() -> None:
     for e in evals[:20]:
         a, b = e.prompt[:-1].split("+")
         assert int(e.answer) == int(a) + int(b)
+
+
+def test_scratchpad_task_by_hand() -> None:
+    from jfp8rl.data import SCRATCHPAD_TRAIN_SIZE, build_datasets, scratchpad_text
+    from models.tokenizer import build_byte_tokenizer
+
+    # 3 + 9 = 12 (carry 1), 2 + 5 + 1 = 8, 1 + 4 = 5: 582.
+    assert scratchpad_text(123, 459, 3) == "3+9+0=12;2+5+1=08;1+4+0=05;#0582"
+    assert scratchpad_text(999, 999, 3) == "9+9+0=18;9+9+1=19;9+9+1=19;#1998"
+    train, evals = build_datasets("scratchpad", "", "", 3, 64)
+    assert len(train) == SCRATCHPAD_TRAIN_SIZE and len(evals) == 64
+    assert not {e.prompt for e in train} & {e.prompt for e in evals}
+    tok = build_byte_tokenizer()
+    for e in train[:50] + evals[:10]:
+        a, b = (int(x) for x in e.prompt[:-1].split("+"))
+        assert e.answer == str(a + b)
+        assert e.meta["target"] == scratchpad_text(a, b, 3)
+        assert len(tok.encode(e.meta["target"], add_special_tokens=False).ids) >= 32
+        assert scratchpad_verifier(e.meta["target"], e.answer) == 1.0
+    # The same draw of eval problems as the arithmetic task's split of the same digits.
+    assert [e.prompt for e in evals] == [e.prompt for e in arithmetic_split(3, 64)[1]]
+
+
+def test_scratchpad_verifier_and_garbled_rate() -> None:
+    good = "3+9+0=12;2+5+1=08;1+4+0=05;#0582"
+    assert scratchpad_verifier(good, "582") == 1.0
+    assert scratchpad_verifier(" " + good + "\n", "582") == 1.0
+    assert scratchpad_verifier(good.replace("#0582", "#0581"), "582") == 0.0  # wrong sum
+    garbled = [good[:-1] + "x", good.replace(";", ",", 1), "582", "", good + ";", "#0582"]
+    for g in garbled:
+        assert not scratchpad_parsed(g) and scratchpad_verifier(g, "582") == 0.0, g
+    assert scratchpad_parsed(good.replace("1+4+0=05", "1+4+0=99"))  # wrong step, well-formed
+    from jfp8rl.rewards import ANSWER_PARSERS, get_verifier
+
+    assert ANSWER_PARSERS[get_verifier("scratchpad")] is scratchpad_parsed
+
+
+def test_study_config_is_the_scratchpad_task() -> None:
+    cfg = load_config(REPO / "configs" / "study_scratchpad.yaml")
+    assert (cfg.data.task, cfg.reward.kind, cfg.data.max_digits) == ("scratchpad", "scratchpad", 3)
+    assert cfg.rollout.max_tokens >= 33  # the scratchpad and eos fit
+    lower_only = load_config(
+        REPO / "configs" / "study_scratchpad.yaml", ["calibration.upper_rule=plain"]
+    )
+    assert lower_only.calibration.upper_rule == "plain"
+    with pytest.raises(ConfigError, match="calibration.upper_rule"):
+        load_config(None, ["calibration.upper_rule=lower"])
 
 
 def test_prompt_stream_resumes_and_covers_epochs() -> None:

@@ -94,3 +94,19 @@ def test_warm_start_stops_at_the_first_check_reaching_the_target() -> None:
     )
     assert stats["steps_run"] == 10 * (first + 1)
     assert stats["train_check_accuracy"] == curve[first]
+
+
+def test_supervised_arrays_train_on_the_scratchpad() -> None:
+    """The scratchpad task's warm-start target is the worked steps then the answer, + eos."""
+    from jfp8rl.data import scratchpad_prompt
+    from jfp8rl.warmstart import supervised_arrays
+    from models.tokenizer import build_byte_tokenizer, eos_token_id
+
+    tok = build_byte_tokenizer()
+    eos = eos_token_id(tok)
+    ex = scratchpad_prompt(123, 459, 3)
+    tokens, attn, target = supervised_arrays([ex], tok, eos, 8, 40)
+    want = list(b"123+459=3+9+0=12;2+5+1=08;1+4+0=05;#0582") + [eos]
+    assert tokens[0, : len(want)].tolist() == want
+    assert attn[0].sum() == len(want)
+    assert target[0].tolist() == [0.0] * 8 + [1.0] * 33 + [0.0] * (48 - 41)

@@ -160,6 +160,28 @@ class PropertiesTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_allclose(aux["calib/beta_up"], beta_up, rtol=1e-6)
         assert abs(np.mean(r8[pos] > float(state.upper)) - beta_up) <= 1.0 / pos.sum()
 
+    def test_plain_upper_rule_keeps_eps_high_and_the_lower_rule(self):
+        """Lower-only (the paper's Fig. 5 ablation): H = 1 + eps_high always, L as the balance
+        rule's L (the lower rule does not depend on the upper one)."""
+        for seed in (2, 5):
+            r8, r16, adv, mask = make_batch(seed, sigma_fp8=0.3)
+            plain = dataclasses.replace(CFG, upper_rule="plain")
+            s_plain, _ = CALIB(C.init_calib_state(plain), plain, r8, r16, adv, mask)
+            s_bal, _ = CALIB(C.init_calib_state(CFG), CFG, r8, r16, adv, mask)
+            assert float(s_plain.upper) == np.float32(1.28)
+            assert float(s_plain.lower) == float(s_bal.lower)
+            assert float(s_bal.upper) != np.float32(1.28)  # the balance rule did move H
+
+    def test_clip_stats_match_numpy(self):
+        r8, _, adv, mask = make_batch(6, sigma_fp8=0.3)
+        got = {k: float(v) for k, v in C.clip_stats(0.8, 1.28, r8, adv, mask).items()}
+        share, n_neg = np_share_below(0.8, r8, adv, mask)
+        pos = (mask > 0) & (adv > 0)
+        np.testing.assert_allclose(got["neg_lower"], share, rtol=1e-6)
+        np.testing.assert_allclose(got["pos_upper"], np.mean(r8[pos] > 1.28), rtol=1e-6)
+        np.testing.assert_allclose(got["balance"], np_balance(0.8, 1.28, r8, adv, mask), rtol=1e-5)
+        assert (got["n_neg"], got["n_pos"]) == (n_neg, pos.sum())
+
     def test_clamps_hold_under_heavy_noise(self):
         for rule in ("balance", "quantile"):
             cfg = dataclasses.replace(CFG, upper_rule=rule)
