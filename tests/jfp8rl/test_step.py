@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_run import random_batch
 
 from jfp8rl.mesh import make_mesh, put_batch, replicated_layout
 from jfp8rl.rollout import pack
@@ -72,23 +73,9 @@ def tiny():
         OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999),
         replicated_layout(make_mesh(), params),
     )
-    rng = np.random.default_rng(1)
-    n, p, r = 8, 4, 3
-    tokens = rng.integers(0, 256, size=(n, p + r)).astype(np.int32)
-    plen = rng.integers(2, p + 1, size=n).astype(np.int32)
-    rlen = rng.integers(1, r + 1, size=n).astype(np.int32)
-    attn = np.zeros((n, p + r), np.int32)
-    resp_mask = np.zeros((n, r), np.float32)
-    for i in range(n):
-        attn[i, : plen[i] + rlen[i]] = 1
-        resp_mask[i, : rlen[i]] = 1
-    batch = {
-        "tokens": tokens, "attention_mask": attn, "prompt_lens": plen,
-        "response_mask": resp_mask,
-        "rollout_logp": (-rng.uniform(0.5, 8.0, size=(n, r)) * resp_mask).astype(np.float32),
-        "rewards": np.array([1, 0, 0, 1, 0, 0, 0, 1], np.float32),
-        "response_lens": rlen,
-    }  # fmt: skip
+    # Two groups of 4, each with both rewards (nonzero GRPO advantages).
+    batch = random_batch(8, 4, 3, seed=1)
+    batch["rewards"] = np.array([1, 0, 0, 1, 0, 0, 0, 1], np.float32)
     return cfg, graphdef, params, fns, batch
 
 
