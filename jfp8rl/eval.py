@@ -201,7 +201,9 @@ def run_cli(args: argparse.Namespace) -> dict[str, Any]:
         "n": cfg.eval.n,
         "temperature": cfg.eval.temperature,
         "max_tokens": cfg.rollout.max_tokens,
-        "backend": cfg.rollout.url if cfg.rollout.backend == "http" else "embedded",
+        "backend": (
+            ",".join(cfg.rollout.server_urls()) if cfg.rollout.backend == "http" else "embedded"
+        ),
         **res.metrics(),
     }
 

@@ -175,7 +175,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
             correction=a.correction, correction_level=a.correction_level, tis_cap=a.tis_cap,
             group_size=r.n,
         ),
-        opt, mesh,
+        opt, mesh_lib.replicated_layout(mesh, policy.params),
     )  # fmt: skip
     params0 = jax.device_put(policy.params, mesh_lib.replicated(mesh))
     opt0 = fns.optimizer.init(params0)
@@ -205,8 +205,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
         "rollout_logp": batch.rollout_logp, "rewards": batch.rewards,
         "response_lens": batch.response_lens,
     }  # fmt: skip
-    prep = fns.prepare(params0, None, mesh_lib.put_batch(host, mesh))
-    prep.pop("metrics")
+    prep, _ = fns.prepare(params0, None, mesh_lib.put_batch(host, mesh), calibrate=True)
     full = {**host, **{k: np.asarray(v) for k, v in prep.items()}}
     full.pop("rewards")
     full.pop("response_lens")
@@ -242,7 +241,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
                 idx = perm[m * mb_size : (m + 1) * mb_size]
                 mb = mesh_lib.put_batch({k: v[idx] for k, v in full.items()}, mesh)
                 first = pos == 0
-                new, mets = fns.update(state, mb, not first, first)
+                new, mets = fns.update(state, mb, calibrate=not first, on_policy=first)
                 state.update(new)
                 if not first:
                     rec = {k: float(mets[k]) for k in keys}
