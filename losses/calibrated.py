@@ -206,6 +206,8 @@ def _prep(r: Array, adv: Array, mask: Array, r_name: str) -> tuple[Array, Array,
 def _balance_parts(
     lo: Array | float, hi: Array | float, r: Array, adv: Array, on: Array
 ) -> tuple[Array, Array]:
+    """Numerator and denominator of the balance at bounds (lo, hi)."""
+    lo, hi = jnp.asarray(lo, _F32), jnp.asarray(hi, _F32)
     num = jnp.sum(jnp.where(on & (adv > 0) & (r < hi), adv * r, 0.0))
     den = jnp.sum(jnp.where(on & (adv < 0) & (r > lo), -adv * r, 0.0))
     return num, den
@@ -221,8 +223,7 @@ def balance(
     """sum_{P, r < hi} A r / sum_{N, r > lo} |A| r over response tokens; 0 if the denominator
     is 0 (no negative-advantage token above `lo`)."""
     r, adv, on = _prep(r, adv, mask, "r")
-    num, den = _balance_parts(jnp.asarray(lo, _F32), jnp.asarray(hi, _F32), r, adv, on)
-    return safe_div(num, den)
+    return safe_div(*_balance_parts(lo, hi, r, adv, on))
 
 
 def _unclipped_balance(r: Array, adv: Array, on: Array) -> Array:
@@ -240,8 +241,7 @@ def balance_share(
     """share(lo, hi, r) = balance(lo, hi, r) / balance(0, inf, r): the share of P's mass
     A r kept below `hi` over the share of N's mass |A| r kept above `lo`; 0 if undefined."""
     r, adv, on = _prep(r, adv, mask, "r")
-    num, den = _balance_parts(jnp.asarray(lo, _F32), jnp.asarray(hi, _F32), r, adv, on)
-    return safe_div(safe_div(num, den), _unclipped_balance(r, adv, on))
+    return safe_div(safe_div(*_balance_parts(lo, hi, r, adv, on)), _unclipped_balance(r, adv, on))
 
 
 def _share(cond: Array, subset: Array) -> tuple[Array, Array]:
@@ -282,7 +282,7 @@ def reference_stats(
     neg, pos = on & (adv < 0), on & (adv > 0)
     alpha, n_neg = _share(r < lo, neg)
     beta_up, n_pos = _share(r > hi, pos)
-    num, den = _balance_parts(jnp.asarray(lo, _F32), jnp.asarray(hi, _F32), r, adv, on)
+    num, den = _balance_parts(lo, hi, r, adv, on)
     p_ref = safe_div(num, den)
     if cfg.balance == "relative":  # n_pos > 0 and den > 0 imply balance(0, inf) > 0
         p_ref = safe_div(p_ref, _unclipped_balance(r, adv, on))
