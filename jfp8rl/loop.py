@@ -41,7 +41,14 @@ import numpy as np
 from jfp8rl import distributed
 from jfp8rl import mesh as mesh_lib
 from jfp8rl.checkpoint import Checkpointer
-from jfp8rl.config import Config, ConfigError, check_batch_split, save_config, to_yaml
+from jfp8rl.config import (
+    Config,
+    ConfigError,
+    RolloutConfig,
+    check_batch_split,
+    save_config,
+    to_yaml,
+)
 from jfp8rl.data import BUILTIN_TASKS, Example, PromptStream, build_datasets
 from jfp8rl.eval import evaluate
 from jfp8rl.export import save_policy_folder
@@ -53,10 +60,13 @@ from jfp8rl.step import OptimSettings, StepFns, StepSettings, default_settings, 
 from jfp8rl.templates import PromptFormat, stop_token_ids
 from losses import calibrated as cal
 from losses.registry import get_algorithm
+from models.config import ModelConfig
+from models.fp8 import get_recipe
 from models.hf_io import iter_hf_state, load_hf
 from models.sharding import host_array
 from models.tokenizer import load_tokenizer
 from rollout_bridge.backend import RolloutBackend, RolloutError
+from rollout_bridge.export import fetch_dtype
 
 # Metrics that only a calibrating mini-batch computes (`losses.calibrated.calibrate`); between
 # calibrations the last values stay in force and are logged as such.
@@ -121,6 +131,19 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
     return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok)[0], path)
 
 
+def push_format(r: RolloutConfig) -> str:
+    """The rollout format of the weight pushes: `rollout.export_format`, else bf16 for servers
+    and the engine's own default for the embedded backend (`default_export_format`). Every
+    process of a run decides it the same way: it sets the dtype the params are fetched in."""
+    if r.export_format:
+        return r.export_format
+    if r.backend == "embedded":
+        from rollout_bridge.engine import default_export_format
+
+        return default_export_format(get_recipe(r.recipe))
+    return "bf16"
+
+
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
     """The configured rollout backend; it serves weights from the first `stage_sync` on.
 
@@ -136,14 +159,14 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
         return EmbeddedBackend(
             policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
-            export_format=r.export_format or None, export_root=root,
+            export_format=push_format(r), export_root=root,
         )  # fmt: skip
     from rollout_bridge.http_client import HttpBackend
     from rollout_bridge.pool import ServerPool
 
-    kw: dict[str, Any] = {"token": r.api_key or None, "timeout_s": r.timeout_s}
-    if r.export_format:
-        kw["export_format"] = r.export_format
+    kw: dict[str, Any] = {
+        "token": r.api_key or None, "timeout_s": r.timeout_s, "export_format": push_format(r),
+    }  # fmt: skip
     urls = r.server_urls()
     backend: RolloutBackend = (
         ServerPool(urls, export_root=root, **kw)
@@ -333,16 +356,25 @@ def stage_update(
     return upd
 
 
+def push_params(
+    backend: RolloutBackend | None, cfg: ModelConfig, params: Any, version: str, fmt: str
+) -> None:
+    """Pushes `params` to `backend` as `version` in the rollout format `fmt`.
+
+    One tensor at a time (a layer slice made on the devices, in HF layout and the push's dtype
+    `fetch_dtype(fmt)`, then fetched): the host never holds a full copy of the model. Process 0
+    pushes (`backend` is None on the others); every process takes part in the per-tensor
+    gathers of a multi-process run."""
+    distributed.push_from_main(
+        lambda tensors: backend.push_weights(tensors, version),
+        iter_hf_state(cfg, params, dtype=fetch_dtype(fmt)),
+    )
+
+
 def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
     """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
     t0 = time.perf_counter()
-    # One tensor at a time (a layer slice fetched from the devices per tensor): the host never
-    # holds a full f32 copy of the model. Process 0 pushes; every process takes part in the
-    # per-tensor gathers of a multi-process run.
-    distributed.push_from_main(
-        lambda tensors: t.backend.push_weights(tensors, version(step)),
-        iter_hf_state(t.policy.cfg, state["params"]),
-    )
+    push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(t.cfg.rollout))
     return time.perf_counter() - t0
 
 

@@ -10,6 +10,7 @@ through ml_dtypes without monkey-patching `safetensors.numpy`; writing uses `saf
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterator, Mapping
@@ -129,20 +130,43 @@ def _hf_shape(row: HFTensor, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[::-1] if row.transposed else shape
 
 
-def iter_hf_state(cfg: ModelConfig, params: Params) -> Iterator[tuple[str, np.ndarray]]:
-    """(HF name, float32 numpy array in HF layout) one tensor at a time, in `hf_name_map`
-    order: layer i of a stacked param is sliced on device and only that slice is fetched, so
-    host memory holds one tensor (the caller decides what to keep)."""
+@jax.jit
+def _layer_slice(x: jax.Array, layer: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
+def _to_hf_layout(x: jax.Array, *, transposed: bool, dtype: Any) -> jax.Array:
+    """`x` cast to `dtype`, then transposed if asked, into a fresh buffer. The cast, the
+    transpose and the layer slice (`_layer_slice`, a program of its own) are kept apart: XLA:CPU
+    fuses a slice or a cast into a transpose as a slow elementwise loop (measured on a 768 x
+    3072 layer slice: 6.2 ms fused, 0.7 + 1.0 ms apart; the 100M model's bf16 fetch 0.25 ->
+    0.15 s)."""
+    y = x.astype(dtype)
+    y = jax.lax.optimization_barrier(y).T if transposed else y
+    return jnp.copy(y) if y is x else y  # jit forwards an unchanged input as the same buffer
+
+
+def iter_hf_state(
+    cfg: ModelConfig, params: Params, *, dtype: Any = np.float32
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, numpy array in HF layout) one tensor at a time, in `hf_name_map` order.
+
+    Each tensor is made on the device(s) holding it (layer slice, transpose to HF layout, cast
+    to `dtype`: float32, or bfloat16 for a bf16 weight push, which then fetches half the bytes)
+    and only the result is fetched, so host memory holds one tensor (the caller decides what to
+    keep). The result is a fresh device buffer: on CPU `device_get` is zero-copy and the array
+    caches that numpy view, so fetching the caller's own buffer (embedding, final norm) would
+    leave it undonatable, and the trainer's next update would copy it (measured: the 0.6 GB
+    qwen3_0.6b embedding)."""
     pure = nnx.to_pure_dict(params)
+    dtype = jnp.dtype(dtype)
     for row in hf_name_map(cfg):
         x = _get(pure, row.path)
-        # Fetch from a fresh device buffer (a layer slice, or a copy): on CPU `device_get` is
-        # zero-copy and the array caches that numpy view, so fetching the caller's own buffer
-        # (embedding, final norm) would leave it undonatable, and the trainer's next update
-        # would copy it (measured: the 0.6 GB qwen3_0.6b embedding).
-        x = x[row.layer] if row.layer is not None else jnp.copy(x)
-        x = np.asarray(host_array(x), dtype=np.float32)  # collective across processes
-        yield row.name, np.ascontiguousarray(x.T if row.transposed else x)
+        if row.layer is not None:
+            x = _layer_slice(x, jnp.int32(row.layer))
+        y = _to_hf_layout(x, transposed=row.transposed, dtype=dtype)
+        yield row.name, np.asarray(host_array(y))  # a collective across processes
 
 
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:

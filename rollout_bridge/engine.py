@@ -22,7 +22,7 @@ index) alone, never on the bucket (`sampling` module).
 
 Weights. `push_weights(hf_state, version)` goes through the same path as an external server:
 `rollout_bridge.export.export_weights` writes the rollout format into the shared-memory export
-folder, `weight_files.load_export` reads it back with the manifest verified (sha256 per tensor,
+folder, `weight_files.load_export` reads it back with the manifest verified (a digest per tensor,
 version), and `load_export_dir` installs it (the server's `/update_weights` ends there too).
 The default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server receives: e4m3
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
@@ -84,7 +84,9 @@ def bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _default_export_format(recipe: Recipe) -> str:
+def default_export_format(recipe: Recipe) -> str:
+    """The export format of an engine without `export_format`: FP8 checkpoint format for the
+    block-FP8 E4M3 recipe (the engine then serves the trainer's own FP8 weights), else fp32."""
     block_fp8 = recipe.fwd_format == "e4m3" and recipe.weight_granularity == "block"
     return "fp8" if block_fp8 else "fp32"
 
@@ -198,7 +200,7 @@ class EmbeddedBackend(RolloutBackend):
             if export_root is None
             else Path(export_root)
         )
-        self.export_format = export_format or _default_export_format(self.recipe)
+        self.export_format = export_format or default_export_format(self.recipe)
         self._version = weight_version
         self._lock = threading.Lock()
         self._closed = False

@@ -48,6 +48,7 @@ __all__ = [
     "ExportError",
     "ExportFormat",
     "export_weights",
+    "fetch_dtype",
     "fp8_quantization_config",
     "is_fp8_linear",
     "iter_rollout_format",
@@ -101,6 +102,14 @@ def _bf16_converter():
     return jax.jit(lambda w: w.astype(jnp.bfloat16))
 
 
+def fetch_dtype(fmt: ExportFormat) -> str:
+    """The dtype to fetch trainer params in for a push in `fmt` (the `dtype` of
+    `models.hf_io.iter_hf_state`): "bfloat16" for a bf16 push, which is then rounded on the
+    trainer's devices and moves half the bytes to the host; "float32" otherwise (the FP8
+    quantizer and the fp32 format need the float32 masters)."""
+    return "bfloat16" if fmt == "bf16" else "float32"
+
+
 def iter_rollout_format(
     hf_state: HFTensors, fmt: ExportFormat, *, block_size: int = FP8_BLOCK_SIZE
 ) -> Iterator[tuple[str, np.ndarray]]:
@@ -117,6 +126,9 @@ def iter_rollout_format(
     for name, value in items:
         if fmt == "fp32":
             yield name, np.asarray(value, dtype=np.float32)
+            continue
+        if fmt == "bf16" and getattr(value, "dtype", None) == jnp.bfloat16:
+            yield name, np.asarray(value)  # made bf16 where it lives (`fetch_dtype`)
             continue
         w = jnp.asarray(value, dtype=jnp.float32)
         if fmt == "bf16" or not is_fp8_linear(name, w.shape):

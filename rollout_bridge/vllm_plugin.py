@@ -12,10 +12,11 @@ Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
   /update_weights {"update_info": {"path": <version dir>, "version": str,
                                    "manifest_sha256": str | null}}
                                        -> `load_export(path, framework="pt")` verifies the
-                                          manifest (sha256, version, sizes, per-tensor sha256);
+                                          manifest (sha256, version, sizes, per-tensor blake3);
                                           only then is vLLM's layerwise reload initialised and
                                           the tensors go to `model.load_weights` (vLLM fuses
-                                          q/k/v and gate/up itself)
+                                          q/k/v and gate/up itself); every version is read
+                                          into the same host buffer (`ReadBuffer`)
   /finish_weight_update {"weight_version": str}
                                        -> layerwise reload finalised, plus the CPU fix below.
 
@@ -34,6 +35,8 @@ so the reload never re-packs it and logits keep the old embedding. After finalis
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +47,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_bridge.weight_files import ExportError, load_export
+from rollout_bridge.weight_files import ExportError, ReadBuffer, load_export
 
 ENGINE_NAME = "jfp8rl_shm"
+logger = logging.getLogger("vllm.jfp8rl_shm")
 
 
 def register() -> None:
@@ -100,6 +104,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(*args, **kwargs)
         self._root: Path | None = None
         self._reloading = False
+        # Every version is read into the same host pages: `model.load_weights` copies each
+        # tensor into the model's own parameters before `receive_weights` returns.
+        self._buffer = ReadBuffer()
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self._root = Path(init_info.root).resolve() if init_info.root else None
@@ -114,12 +121,14 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 f"update path {path} is outside the export root {self._root} given at "
                 "/init_weight_transfer_engine"
             )
+        t0 = time.perf_counter()
         tensors, manifest = load_export(
             path,
             verify=True,
             framework="pt",
             expected_version=update_info.version,
             expected_manifest_sha256=update_info.manifest_sha256,
+            buffer=self._buffer,
         )
         quantized = manifest.get("quantization_config") is not None
         served_quant = getattr(self.model_config, "quantization", None)
@@ -134,17 +143,31 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
             initialize_layerwise_reload(self.model)
             self._reloading = True
+        t1 = time.perf_counter()
         self.model.load_weights(list(tensors.items()))
+        logger.info(
+            "jfp8rl_shm: %s read+verified in %.3f s, loaded in %.3f s",
+            update_info.version,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
 
     def finish_weight_update(self) -> None:
         if not self._reloading:
             return  # no verified update arrived: the served weights are unchanged
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         self._reloading = False
+        t1 = time.perf_counter()
         if self.device.type == "cpu":
             repack_cpu_embeddings(self.model)
+        logger.info(
+            "jfp8rl_shm: finalized in %.3f s, embeddings repacked in %.3f s",
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
 
     def shutdown(self) -> None:
         self._root = None

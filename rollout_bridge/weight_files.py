@@ -9,14 +9,19 @@ the server is a page-cache read):
 
     <root>/<version>/model.safetensors   tensors, HF names
     <root>/<version>/manifest.json       {"format_version", "version", "format", "created_ns",
-                                          "quantization_config", "files": {name: {size, sha256}},
-                                          "tensors": {name: {file, dtype, shape, sha256}}}
+                                          "quantization_config", "hash",
+                                          "files": {name: {size}},
+                                          "tensors": {name: {file, dtype, shape, <hash>}}}
     <root>/.partial-<version>-<pid>-<n>/ a version being written (never read)
 
 A version is written into a `.partial-*` folder and renamed into place only when complete
 (`os.rename` is atomic within one filesystem), so a crash mid-write never leaves a folder a
-server would load; the manifest is written last. `sha256` is over a tensor's raw little-endian
-bytes, so a flipped byte or a truncated file is refused by `load_export`.
+server would load; the manifest is written last. Each tensor's digest (keyed by the manifest's
+`hash`: "blake3", or "sha256" where the blake3 package is missing; format_version 1 manifests
+are sha256) is over its raw little-endian bytes, so a flipped byte or a truncated file is
+refused by `load_export`. blake3 is a cryptographic hash like sha256 and, measured here, 2.3x
+faster per core (190 MB: 0.048 s vs 0.111 s), which matters since both sides hash every push;
+the server is handed the manifest's own sha256, so the chain of digests starts at the trainer.
 
 The safetensors writer/reader are ours (the format is 8 bytes of little-endian header length,
 a JSON header `{name: {dtype, shape, data_offsets}}`, then the data) because the `safetensors`
@@ -41,7 +46,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tensor digests keyed by the manifest's "hash" (1: always sha256)
+READABLE_FORMAT_VERSIONS = (1, 2)
+HASHES = ("blake3", "sha256")
 MANIFEST = "manifest.json"
 TENSOR_FILE = "model.safetensors"
 PARTIAL_PREFIX = ".partial-"
@@ -158,18 +165,47 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _write_and_hash(fd: int, view: memoryview, offset: int) -> str:
+def default_hash() -> str:
+    """ "blake3" when the blake3 package imports (a dependency of this project and of vLLM),
+    else "sha256" (hashlib): what `write_export` records tensor digests with."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+def digest(view: memoryview, hash_name: str) -> str:
+    """Hex digest of `view` with `hash_name` (one of `HASHES`; both release the GIL)."""
+    if hash_name == "sha256":
+        return hashlib.sha256(view).hexdigest()
+    if hash_name == "blake3":
+        try:
+            import blake3
+        except ImportError:
+            raise ExportError(
+                "this export's tensors are hashed with blake3 but the blake3 package is not "
+                "installed here: pip install blake3 (vLLM ships it), or export with "
+                "hash_name='sha256'"
+            ) from None
+        return blake3.blake3(view, max_threads=1).hexdigest()
+    raise ExportError(f"unknown tensor hash {hash_name!r}; this reader knows {HASHES}")
+
+
+def _write_and_hash(fd: int, view: memoryview, offset: int, hash_name: str) -> str:
     _pwrite_all(fd, view, offset)
-    return hashlib.sha256(view).hexdigest()
+    return digest(view, hash_name)
 
 
 def write_safetensors(
     path: Path,
     tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
     metadata: Mapping[str, str] | None = None,
+    *,
+    hash_name: str = "sha256",
 ) -> dict[str, dict[str, Any]]:
     """Writes `tensors` to `path` in safetensors format; returns {name: {dtype, shape,
-    sha256}} (sha256 of the tensor's raw little-endian bytes), in file order.
+    <hash_name>}} (the digest of the tensor's raw little-endian bytes), in file order.
 
     `tensors` may be a dict or (name, array) pairs produced one at a time (an export being
     converted): each tensor is written at its offset and hashed by worker threads while the
@@ -188,14 +224,19 @@ def write_safetensors(
     pending: collections.deque[Future[str]] = collections.deque()
     futures: list[Future[str]] = []
     offset = 0
-    with open(path, "w+b") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
+    # Opened without truncating: a recycled file (`write_export`) keeps its pages, so the
+    # writes below overwrite memory instead of faulting fresh pages in; cut to size at the end.
+    with (
+        open(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+b") as f,
+        ThreadPoolExecutor(_IO_THREADS) as pool,
+    ):
         fd = f.fileno()
         for name, arr in items:
             if name == "__metadata__":
                 raise ExportError("'__metadata__' is reserved in safetensors, not a tensor name")
             view = _le_bytes(arr)
             entries.append((name, st_dtype(arr), list(arr.shape), view.nbytes))
-            fut = pool.submit(_write_and_hash, fd, view, start + offset)
+            fut = pool.submit(_write_and_hash, fd, view, start + offset, hash_name)
             pending.append(fut)
             futures.append(fut)
             offset += view.nbytes
@@ -208,8 +249,9 @@ def write_safetensors(
         if 8 + len(raw) > start:
             start = _fit_header(f, start, offset, 8 + len(raw))
         _pwrite_all(fd, memoryview(struct.pack("<Q", start - 8) + raw.ljust(start - 8)), 0)
+        os.ftruncate(fd, start + offset)
     return {
-        e[0]: {"dtype": e[1], "shape": e[2], "sha256": h}
+        e[0]: {"dtype": e[1], "shape": e[2], hash_name: h}
         for e, h in zip(entries, hashes, strict=True)
     }
 
@@ -257,15 +299,39 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     return header, start, size
 
 
-def _read_and_hash(fd: int, view: memoryview, offset: int, verify: bool) -> str | None:
-    """Fills `view` from the file at `offset` (short read: None), then its sha256."""
+def _read_and_hash(fd: int, view: memoryview, offset: int, hash_name: str | None) -> str | None:
+    """Fills `view` from the file at `offset` (short read: None), then its digest ("" when
+    `hash_name` is None: not verifying)."""
     done = 0
     while done < view.nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             return None
         done += n
-    return hashlib.sha256(view).hexdigest() if verify else ""
+    return digest(view, hash_name) if hash_name else ""
+
+
+def _uninitialized(nbytes: int) -> memoryview:
+    """`nbytes` of fresh memory, not zero-filled (every byte is read over by `load_export`)."""
+    return memoryview(np.empty(nbytes, np.uint8)).cast("B")
+
+
+class ReadBuffer:
+    """Host memory for `load_export` to read into, reused from one load to the next.
+
+    A fresh buffer per push costs a page fault (and the kernel zeroing a page) per 4 KiB,
+    which on this project's CPU machines takes longer than the read itself; a server keeps one
+    of these and reads every version into the same pages. It grows when a larger file comes.
+    Not thread-safe: one load at a time per buffer."""
+
+    def __init__(self) -> None:
+        self._mem = memoryview(b"")
+
+    def take(self, nbytes: int) -> memoryview:
+        """The first `nbytes` of the buffer (the previous load's arrays are overwritten)."""
+        if self._mem.nbytes < nbytes:
+            self._mem = _uninitialized(nbytes)
+        return self._mem[:nbytes]
 
 
 def sha256_file(path: Path) -> str:
@@ -281,9 +347,11 @@ def write_export(
     fmt: str,
     quantization_config: Mapping[str, Any] | None = None,
     keep: int = 2,
+    hash_name: str | None = None,
 ) -> Path:
     """Writes one version under `root` atomically and keeps only the newest `keep` versions.
     `tensors` may stream (`write_safetensors`: a few tensors in host memory at a time).
+    `hash_name`: the tensor digest ("blake3" | "sha256"; default `default_hash()`).
 
     Returns the version folder `<root>/<version>` (it replaces an older folder of the same name).
     """
@@ -291,15 +359,19 @@ def write_export(
     final = root / safe_version_dir(version)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{PARTIAL_PREFIX}{version}-{os.getpid()}-{next(_partial_counter)}"
-    tmp.mkdir()
+    _recycle_or_mkdir(root, tmp, keep=keep, final=final)
     try:
-        infos = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"})
+        hash_name = hash_name or default_hash()
+        if hash_name not in HASHES:
+            raise ExportError(f"unknown tensor hash {hash_name!r}; choose one of {HASHES}")
+        infos = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"}, hash_name=hash_name)
         manifest = {
             "format_version": FORMAT_VERSION,
             "version": version,
             "format": fmt,
             "created_ns": time.time_ns(),
             "quantization_config": dict(quantization_config) if quantization_config else None,
+            "hash": hash_name,
             "files": {TENSOR_FILE: {"size": (tmp / TENSOR_FILE).stat().st_size}},
             "tensors": {name: {"file": TENSOR_FILE, **info} for name, info in infos.items()},
         }
@@ -315,6 +387,30 @@ def write_export(
         raise
     cleanup_exports(root, keep=keep)
     return final
+
+
+def _recycle_or_mkdir(root: Path, tmp: Path, *, keep: int, final: Path) -> None:
+    """Creates the partial folder `tmp`, from the oldest version when the write will delete it.
+
+    With `keep` versions already there, the oldest is deleted after this write anyway; renaming
+    it to `tmp` first (it is then a partial folder no server loads, its manifest removed) lets
+    the new tensor file overwrite its pages in place: on tmpfs (/dev/shm) a fresh file costs a
+    page fault and a zeroed page per 4 KiB, as much as the copy itself. The newest version (the
+    one being served) is never recycled, so a failed write leaves it complete."""
+    versions = list_exports(root)
+    others = [d for d in versions if d != final]  # what is left beside the new version
+    old = [d for d in others if d != versions[-1]]
+    if len(others) + 1 > keep and old:
+        try:
+            os.rename(old[0], tmp)
+            (tmp / MANIFEST).unlink(missing_ok=True)
+            for extra in tmp.iterdir():
+                if extra.name != TENSOR_FILE:
+                    shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+            return
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # raced with a cleanup: start empty
+    tmp.mkdir()
 
 
 def list_exports(root: Path) -> list[Path]:
@@ -368,10 +464,10 @@ def read_manifest(export_dir: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise ExportError(f"{path}: malformed JSON ({e}); export the weights again") from e
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise ExportError(
             f"{path}: format_version {manifest.get('format_version')!r}, this reader needs "
-            f"{FORMAT_VERSION}; export with the same jfp8rl version as the server"
+            f"one of {READABLE_FORMAT_VERSIONS}; export with the same jfp8rl version as the server"
         )
     return manifest
 
@@ -420,6 +516,7 @@ def load_export(
     framework: Literal["np", "pt"] = "np",
     expected_version: str | None = None,
     expected_manifest_sha256: str | None = None,
+    buffer: ReadBuffer | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads one version folder: ({HF name: array}, manifest).
 
@@ -427,10 +524,13 @@ def load_export(
       - the manifest exists and, if given, its sha256 / version are the expected ones;
       - the tensor file has the manifest's size (a truncated file is refused);
       - the safetensors header lists exactly the manifest's names, dtypes and shapes;
-      - with `verify`, each tensor's sha256 equals the manifest's.
+      - with `verify`, each tensor's digest (the manifest's `hash`) equals the manifest's.
 
     `framework="np"` returns numpy arrays (bf16/fp8 as ml_dtypes); `"pt"` torch tensors (the
-    vLLM side). Arrays are views of one buffer per file; copy before mutating.
+    vLLM side). Arrays are views of one buffer per file; copy before mutating. With `buffer`
+    (a `ReadBuffer` the caller keeps across loads, e.g. a server that copies every tensor into
+    its own weights right away) that buffer is reused: the arrays are then valid only until the
+    next load into it, and no memory is allocated for the read after the first push.
     """
     export_dir = Path(export_dir)
     if expected_manifest_sha256 is not None:
@@ -441,6 +541,12 @@ def load_export(
                 "the export was replaced or tampered with after the push started"
             )
     manifest = read_manifest(export_dir)
+    hash_name = manifest.get("hash", "sha256")  # format_version 1: sha256
+    if hash_name not in HASHES:
+        raise ExportError(
+            f"{export_dir / MANIFEST}: unknown tensor hash {hash_name!r} (this reader knows "
+            f"{HASHES}); export with the same jfp8rl version as the server"
+        )
     if expected_version is not None and manifest["version"] != expected_version:
         raise ExportError(
             f"{export_dir / MANIFEST}: holds version {manifest['version']!r}, expected "
@@ -482,10 +588,16 @@ def load_export(
             spans[name] = (lo, hi)
         # One private buffer per file (not a mapping of it: the bytes verified are the bytes
         # used even if the file changes afterwards), filled and hashed by worker threads.
-        mem = memoryview(bytearray(size - start))
+        mem = buffer.take(size - start) if buffer is not None else _uninitialized(size - start)
         with open(path, "rb") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
             digests = {
-                name: pool.submit(_read_and_hash, f.fileno(), mem[lo:hi], start + lo, verify)
+                name: pool.submit(
+                    _read_and_hash,
+                    f.fileno(),
+                    mem[lo:hi],
+                    start + lo,
+                    hash_name if verify else None,
+                )
                 for name, (lo, hi) in spans.items()
             }
             digests = {name: fut.result() for name, fut in digests.items()}
@@ -493,9 +605,9 @@ def load_export(
             info, (lo, hi) = manifest["tensors"][name], spans[name]
             if digests[name] is None:
                 raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
-            if verify and digests[name] != info["sha256"]:
+            if verify and digests[name] != info.get(hash_name):
                 raise ExportError(
-                    f"{path}: sha256 of tensor {name!r} does not match the manifest; the file "
+                    f"{path}: {hash_name} of tensor {name!r} does not match the manifest; the file "
                     "was modified after export, export again"
                 )
             view = mem[lo:hi]

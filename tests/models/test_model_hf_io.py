@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from safetensors.numpy import save_file
 from models.hf_io import (
     from_hf_state_dict,
     hf_name_map,
+    iter_hf_state,
     load_hf,
     read_safetensors,
     save_hf,
@@ -152,3 +154,15 @@ def test_loaded_and_exported_params_stay_donatable(tmp_path):
     np.testing.assert_array_equal(
         held["model.norm.weight"], np.asarray(params["model"]["norm"]["weight"][...])
     )
+    # A bf16 weight push fetches bf16 tensors made on device (slice, transpose, round): the
+    # same bits as ml_dtypes' round-to-nearest-even of the float32 HF tensors, and the params
+    # stay donatable.
+    _, _, loaded = load_hf(tmp_path, compute_dtype=cfg.compute_dtype)
+    held16 = dict(iter_hf_state(cfg, loaded, dtype=jnp.bfloat16))
+    assert all(_donated(loaded))
+    assert list(held16) == list(held)
+    for name, x in held.items():
+        assert held16[name].dtype == ml_dtypes.bfloat16 and held16[name].shape == x.shape
+        np.testing.assert_array_equal(
+            held16[name].view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16)
+        )

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import ml_dtypes
 import numpy as np
 import pytest
@@ -22,10 +23,12 @@ from rollout_bridge.weight_files import (
     MANIFEST,
     TENSOR_FILE,
     ExportError,
+    ReadBuffer,
     cleanup_exports,
     list_exports,
     load_export,
     sha256_file,
+    write_export,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +101,7 @@ def test_fp32_and_bf16_formats(tmp_path: Path) -> None:
             "file": TENSOR_FILE,
             "dtype": "BF16",
             "shape": list(w.shape),
-            "sha256": man["tensors"][name]["sha256"],
+            "blake3": man["tensors"][name]["blake3"],
         }
 
 
@@ -143,10 +146,18 @@ def test_fp8_format_matches_numpy_reference_and_models_fp8(tmp_path: Path) -> No
         np.testing.assert_array_equal(tensors[name], expected)
 
 
-def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path) -> None:
+_REFERENCE_DIGEST = {
+    "blake3": lambda b: blake3.blake3(b).hexdigest(),
+    "sha256": lambda b: hashlib.sha256(b).hexdigest(),
+}
+
+
+@pytest.mark.parametrize("hash_name", ["blake3", "sha256"])
+def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path, hash_name: str) -> None:
     st = _state()
-    d = export_weights(st, "step-3", fmt="fp32", root=tmp_path)
+    d = write_export(tmp_path, "step-3", st, fmt="fp32", hash_name=hash_name)
     man = json.loads((d / MANIFEST).read_text())
+    assert man["hash"] == hash_name and man["format_version"] == 2
     assert man["files"][TENSOR_FILE]["size"] == (d / TENSOR_FILE).stat().st_size
     # The stock safetensors reader loads our file; hashes are over each tensor's bytes.
     with safe_open(str(d / TENSOR_FILE), framework="np") as f:
@@ -154,7 +165,8 @@ def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path) -> None:
         for name in f.keys():
             x = f.get_tensor(name)
             np.testing.assert_array_equal(x, st[name])
-            assert man["tensors"][name]["sha256"] == hashlib.sha256(x.tobytes()).hexdigest()
+            want = _REFERENCE_DIGEST[hash_name](x.tobytes())
+            assert man["tensors"][name][hash_name] == want
             assert man["tensors"][name]["shape"] == list(x.shape)
 
 
@@ -192,9 +204,12 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_tampered_truncated_and_mismatched_exports_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hash_name", ["blake3", "sha256"])
+def test_tampered_truncated_and_mismatched_exports_are_refused(
+    tmp_path: Path, hash_name: str
+) -> None:
     st = _state()
-    d = export_weights(st, "v1", fmt="fp32", root=tmp_path)
+    d = write_export(tmp_path, "v1", st, fmt="fp32", hash_name=hash_name)
     good_manifest_sha = sha256_file(d / MANIFEST)
     load_export(d, expected_version="v1", expected_manifest_sha256=good_manifest_sha)
 
@@ -205,7 +220,7 @@ def test_tampered_truncated_and_mismatched_exports_are_refused(tmp_path: Path) -
 
     # The last tensor in the file is model.norm.weight: flip one bit of its last byte.
     _flip_byte(d / TENSOR_FILE, 1)
-    with pytest.raises(ExportError, match=r"sha256 of tensor 'model\.norm\.weight'"):
+    with pytest.raises(ExportError, match=rf"{hash_name} of tensor 'model\.norm\.weight'"):
         load_export(d)
     load_export(d, verify=False)  # sizes still agree: only the hash check catches it
 
@@ -238,6 +253,70 @@ def test_old_versions_are_cleaned_up_and_same_version_is_replaced(tmp_path: Path
     got, _ = load_export(d)
     np.testing.assert_array_equal(got["model.norm.weight"], st["model.norm.weight"] + 10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
+
+
+def test_a_write_recycles_the_oldest_versions_file_and_never_the_newest(tmp_path: Path) -> None:
+    """With `keep` versions there, the next write takes over the oldest one's tensor file (same
+    inode: its pages are overwritten, not freed and faulted in again) and cuts it to the new
+    size; the newest version is never touched. Every version read back equals its input."""
+    st = _state()
+    d0 = export_weights(st, "v0", fmt="fp32", root=tmp_path)
+    ino0 = (d0 / TENSOR_FILE).stat().st_ino
+    d1 = export_weights({n: w + 1 for n, w in st.items()}, "v1", fmt="fp32", root=tmp_path)
+    ino1 = (d1 / TENSOR_FILE).stat().st_ino
+    # A smaller export (bf16) into v0's file: the stale tail is cut off.
+    d2 = export_weights({n: w + 2 for n, w in st.items()}, "v2", fmt="bf16", root=tmp_path)
+    assert (d2 / TENSOR_FILE).stat().st_ino == ino0 and not d0.exists()
+    assert (d1 / TENSOR_FILE).stat().st_ino == ino1
+    man = json.loads((d2 / MANIFEST).read_text())
+    assert (d2 / TENSOR_FILE).stat().st_size == man["files"][TENSOR_FILE]["size"]
+    got, _ = load_export(d2)
+    for name, w in st.items():
+        np.testing.assert_array_equal(got[name].astype(np.float64), _bf16_reference(w + 2))
+    got, _ = load_export(d1)
+    for name, w in st.items():
+        np.testing.assert_array_equal(got[name], w + 1)
+    # keep=1 never recycles the only (served) version: a failed write would leave it intact.
+    solo = tmp_path / "solo"
+    e0 = export_weights(st, "a", fmt="fp32", root=solo, keep=1)
+    ino = (e0 / TENSOR_FILE).stat().st_ino
+    with pytest.raises(ExportError, match="unknown tensor hash"):
+        write_export(solo, "b", st, fmt="fp32", keep=1, hash_name="md5")
+    assert load_export(e0)[1]["version"] == "a" and (e0 / TENSOR_FILE).stat().st_ino == ino
+
+
+def test_read_buffer_is_reused_across_loads(tmp_path: Path) -> None:
+    """`load_export(buffer=...)` reads each version into the same memory (the vLLM plugin's
+    path): each load returns its own version's values; the previous load's arrays are views
+    of the same pages, overwritten (documented)."""
+    st = _state()
+    buf = ReadBuffer()
+    a, _ = load_export(export_weights(st, "a", fmt="fp32", root=tmp_path), buffer=buf)
+    a_norm = a["model.norm.weight"].copy()
+    b, _ = load_export(
+        export_weights({n: w * 3 for n, w in st.items()}, "b", fmt="fp32", root=tmp_path),
+        buffer=buf,
+    )
+    for name, w in st.items():
+        np.testing.assert_array_equal(b[name], w * 3)
+    np.testing.assert_array_equal(a_norm, st["model.norm.weight"])
+    np.testing.assert_array_equal(a["model.norm.weight"], st["model.norm.weight"] * 3)
+
+
+def test_format_version_1_manifest_still_loads_and_verifies(tmp_path: Path) -> None:
+    """A manifest from before the "hash" key (format_version 1, per-tensor "sha256") loads, and
+    a tampered tensor in it is still refused."""
+    st = _state()
+    d = write_export(tmp_path, "old", st, fmt="fp32", hash_name="sha256")
+    man = json.loads((d / MANIFEST).read_text())
+    man["format_version"] = 1
+    del man["hash"]
+    (d / MANIFEST).write_text(json.dumps(man))
+    got, _ = load_export(d)
+    np.testing.assert_array_equal(got["model.norm.weight"], st["model.norm.weight"])
+    _flip_byte(d / TENSOR_FILE, 1)
+    with pytest.raises(ExportError, match=r"sha256 of tensor 'model\.norm\.weight'"):
+        load_export(d)
 
 
 _CRASH_WRITER = """
