@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,30 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_growth(fn) -> int:
+    """Runs `fn`; the largest resident-memory growth over its start seen by a 1 ms sampler."""
+    base, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes() - base)
+            time.sleep(0.001)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        th.join()
+    return peak[0]
+
+
 def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
     """Copy, export, load and full-push rows for one model; each format goes to a vLLM server
     of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one)."""
@@ -155,8 +180,13 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
                     lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f), repeats
                 )
                 row(fmt, "full", full_s)
+                grow = peak_rss_growth(
+                    lambda c=client, f=fmt: push_params(c, cfg, params, "rss", f)
+                )
+                rows[-1]["rss_MB"] = grow / 1e6
                 client.close()
     for r in rows:
+        r["state_MB"] = nbytes / 1e6
         r["GB/s"] = nbytes / r["s"] / 1e9
         r["x copy"] = r["s"] / copy_s
     return rows
@@ -174,12 +204,14 @@ def main() -> None:
             rows += bench_model(name, args.repeats, venv, Path(work))
     print(f"\nweight sync, median of {args.repeats}; GB/s over the float32 state's bytes")
     print(
-        f"{'model':6} {'params':>11} {'format':9} {'step':10} {'seconds':>9} {'GB/s':>7} {'x copy':>7}"
+        f"{'model':6} {'params':>11} {'format':9} {'step':10} {'seconds':>9} {'GB/s':>7} "
+        f"{'x copy':>7} {'host RSS +MB':>12}"
     )
     for r in rows:
+        rss = f"{r['rss_MB']:>12.0f}" if "rss_MB" in r else ""
         print(
             f"{r['model']:6} {r['params']:>11,} {r['fmt']:9} {r['step']:10} {r['s']:>9.4f} "
-            f"{r['GB/s']:>7.2f} {r['x copy']:>7.1f}"
+            f"{r['GB/s']:>7.2f} {r['x copy']:>7.1f} {rss}"
         )
     import shutil
 
@@ -187,6 +219,10 @@ def main() -> None:
     model = "100m" if any(r["model"] == "100m" for r in rows) else rows[-1]["model"]
     pick = {(r["fmt"], r["step"]): r for r in rows if r["model"] == model}
     full, copy = pick[("bf16", "full")]["s"], pick[("-", "copy")]["s"]
+    print(
+        "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "
+        f"stream one at a time; the {model} float32 state is {pick[('-', 'copy')]['state_MB']:.0f} MB)"
+    )
     print(f"weight_sync: {model} bf16 full push {full:.2f} s = {full / copy:.2f}x raw copy")
 
 

@@ -130,20 +130,19 @@ def _hf_shape(row: HFTensor, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[::-1] if row.transposed else shape
 
 
-@jax.jit
-def _layer_slice(x: jax.Array, layer: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
-
-
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
-def _to_hf_layout(x: jax.Array, *, transposed: bool, dtype: Any) -> jax.Array:
-    """`x` cast to `dtype`, then transposed if asked, into a fresh buffer. The cast, the
-    transpose and the layer slice (`_layer_slice`, a program of its own) are kept apart: XLA:CPU
-    fuses a slice or a cast into a transpose as a slow elementwise loop (measured on a 768 x
-    3072 layer slice: 6.2 ms fused, 0.7 + 1.0 ms apart; the 100M model's bf16 fetch 0.25 ->
-    0.15 s)."""
-    y = x.astype(dtype)
-    y = jax.lax.optimization_barrier(y).T if transposed else y
+def _hf_tensor(x: jax.Array, layer: jax.Array | None, *, transposed: bool, dtype: Any) -> jax.Array:
+    """One tensor in HF layout and `dtype`, made on the device(s) holding `x` into a fresh
+    buffer: the layer slice, the cast, then the transpose. Optimization barriers keep the three
+    apart: XLA:CPU fuses a slice or a cast into a transpose as a slow elementwise loop
+    (measured on a 768 x 3072 layer slice: 6.2 ms fused, 0.7 + 1.0 ms apart; the 100M model's
+    bf16 fetch 0.25 -> 0.12 s)."""
+    y = x
+    if layer is not None:
+        y = jax.lax.optimization_barrier(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False))
+    y = y.astype(dtype)
+    if transposed:
+        y = jax.lax.optimization_barrier(y).T
     return jnp.copy(y) if y is x else y  # jit forwards an unchanged input as the same buffer
 
 
@@ -163,9 +162,8 @@ def iter_hf_state(
     dtype = jnp.dtype(dtype)
     for row in hf_name_map(cfg):
         x = _get(pure, row.path)
-        if row.layer is not None:
-            x = _layer_slice(x, jnp.int32(row.layer))
-        y = _to_hf_layout(x, transposed=row.transposed, dtype=dtype)
+        layer = None if row.layer is None else jnp.int32(row.layer)
+        y = _hf_tensor(x, layer, transposed=row.transposed, dtype=dtype)
         yield row.name, np.asarray(host_array(y))  # a collective across processes
 
 
