@@ -208,7 +208,7 @@ def main() -> None:
         f"{'x copy':>7} {'host RSS +MB':>12}"
     )
     for r in rows:
-        rss = f"{r['rss_MB']:>12.0f}" if "rss_MB" in r else ""
+        rss = f"{r['rss_MB']:>12.1f}" if "rss_MB" in r else ""
         print(
             f"{r['model']:6} {r['params']:>11,} {r['fmt']:9} {r['step']:10} {r['s']:>9.4f} "
             f"{r['GB/s']:>7.2f} {r['x copy']:>7.1f} {rss}"

@@ -186,7 +186,8 @@ class RolloutConfig:
     timeout_s: float = 60.0
     # Format of pushed weights (rollout_bridge.export): "fp8" (block-FP8 checkpoint format, a
     # GPU vLLM), "fp8_fp32" (FP8-rounded values in fp32, a CPU vLLM), "bf16", "fp32";
-    # empty = the backend's default (embedded: fp8 for an FP8 block recipe).
+    # empty = the backend's default (http: bf16; embedded: fp8 for an FP8 block recipe, else
+    # fp32; `jfp8rl.loop.push_format`). A bf16 push is rounded on the trainer's devices.
     export_format: str = ""
     # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts,
     # at most `max_rounds` extra rounds; slots still empty are filled with dropped groups whose

@@ -319,6 +319,25 @@ def test_format_version_1_manifest_still_loads_and_verifies(tmp_path: Path) -> N
         load_export(d)
 
 
+def test_push_format_and_fetch_dtype_per_backend() -> None:
+    """The format a run pushes (`rollout.export_format`, else the backend's default) fixes the
+    dtype every process fetches the params in: bf16 is rounded on device, FP8 and fp32 pushes
+    need the float32 masters."""
+    from jfp8rl.config import RolloutConfig
+    from jfp8rl.loop import push_format
+    from rollout_bridge.export import fetch_dtype
+
+    cases = [
+        (RolloutConfig(backend="http"), "bf16", "bfloat16"),
+        (RolloutConfig(backend="embedded"), "fp8", "float32"),  # recipe fp8_block
+        (RolloutConfig(backend="embedded", recipe="fp8_tensor"), "fp32", "float32"),
+        (RolloutConfig(backend="embedded", export_format="bf16"), "bf16", "bfloat16"),
+        (RolloutConfig(backend="http", export_format="fp8_fp32"), "fp8_fp32", "float32"),
+    ]
+    for r, fmt, dtype in cases:
+        assert (push_format(r), fetch_dtype(push_format(r))) == (fmt, dtype), r
+
+
 _CRASH_WRITER = """
 import sys, numpy as np
 from rollout_bridge.export import export_weights
