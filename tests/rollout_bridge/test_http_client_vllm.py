@@ -170,6 +170,18 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     assert max_diff(after, before) > 100 * TOL  # the old weights are gone (tied LM head too)
     comps = c.generate(seqs[:1], SamplingParams(max_tokens=4, seed=0))
     assert comps[0].weight_version == "step-1"
+    # Two more pushes the way the trainer makes them (`push_params`: from the params): the
+    # plugin reads both into the buffer it read step-1 into, and the third export overwrites
+    # the oldest version's file; each time the server computes with exactly the pushed weights.
+    from jfp8rl.loop import push_params
+
+    for k, params in (("1b", served.params0), ("1c", served.params1)):
+        push_params(c, served.cfg, params, f"step-{k}", c.export_format)
+        assert c.weight_version() == f"step-{k}"
+        assert max_diff(c.score(seqs), our_logprobs(served.graphdef, params, seqs)) <= TOL
+    push_params(
+        c, served.cfg, served.params1, "step-1", c.export_format
+    )  # as the next test expects
 
 
 def test_tampered_export_is_refused_and_old_weights_stay(served: Served) -> None:
