@@ -166,8 +166,8 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def default_hash() -> str:
-    """ "blake3" when the blake3 package imports (a dependency of this project and of vLLM),
-    else "sha256" (hashlib): what `write_export` records tensor digests with."""
+    """The tensor digest `write_export` records: blake3 when the blake3 package imports (a
+    dependency of this project and of vLLM), else sha256 (hashlib)."""
     try:
         import blake3  # noqa: F401
     except ImportError:
