@@ -70,7 +70,9 @@ class Faulty:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._stopped = False
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(  # a short poll: `stop` returns at once
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
