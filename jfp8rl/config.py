@@ -182,8 +182,12 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 6
-    # Seconds before an HTTP request is retried.
+    # Seconds one HTTP request may wait for its answer; a request that times out (or finds
+    # the server refusing / dropping the connection) is tried again `max_retries` times.
     timeout_s: float = 60.0
+    # Extra attempts after such a failure, with backoff 0.5 s x 2^k. A server still failing
+    # then is dropped (rollout.urls: its prompts go to the others) or stops the run (one server).
+    max_retries: int = 3
     # Format of pushed weights (rollout_bridge.export): "fp8" (block-FP8 checkpoint format, a
     # GPU vLLM), "fp8_fp32" (FP8-rounded values in fp32, a CPU vLLM), "bf16", "fp32";
     # empty = the backend's default (http: bf16; embedded: fp8 for an FP8 block recipe, else
@@ -213,6 +217,8 @@ class RolloutConfig:
         )
         _check_positive("rollout", "n", self.n)
         _check_positive("rollout", "max_tokens", self.max_tokens)
+        _check_positive("rollout", "timeout_s", self.timeout_s)
+        _check_positive("rollout", "max_retries", self.max_retries, allow_zero=True)
         _check_positive("rollout", "temperature", self.temperature)
         _check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
 

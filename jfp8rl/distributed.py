@@ -16,8 +16,17 @@ With one process they are plain calls (no communication).
 * `share_rollout`: process 0's rollout batch (arrays), data position and stats on every process,
   as raw bytes behind a JSON header (`broadcast_from_main`; no pickle on the wire);
 * `on_main`: a side effect on process 0 while the others do their part of its collectives
-  (`follow`, e.g. the per-tensor gathers of a weight push); a failure on process 0 is raised on
-  every process, so all stop together and the checkpoint stays the last complete one.
+  (`follow`); a failure on process 0 is raised on every process, so all stop together and the
+  checkpoint stays the last complete one;
+* `consume_on_main`: process 0 consumes a stream of gathered tensors (a weight push, the final
+  HF export) while the others gather with it; a failure part-way still completes every gather
+  before it is raised on all.
+
+Limit: only process 0's Python exceptions are agreed on. A process that dies (killed, OOM), or
+an exception on another process, leaves the rest waiting in their next collective until JAX's
+coordination service notices the missing process (its heartbeat timeout) and ends them; the
+launcher (`scripts/launch_cluster.sh --local`, `srun --kill-on-bad-exit=1`) stops the others
+sooner.
 """
 
 from __future__ import annotations
@@ -174,21 +183,23 @@ def on_main[T](fn: Callable[[], T], follow: Callable[[], Any] | None = None) -> 
     return result
 
 
-def push_from_main(push: Callable[[Iterator[Any]], None], tensors: Iterator[Any]) -> None:
-    """`push(tensors)` on process 0 (a weight push); the others gather the same tensors with it
-    (`tensors` yields each after a cross-process gather, `models.sharding.host_array`), and
-    process 0 gathers the rest when its push stops early, so the gathers stay matched."""
+def consume_on_main[T](consume: Callable[[Iterator[Any]], T], tensors: Iterator[Any]) -> T | None:
+    """`consume(tensors)` on process 0 (a weight push, the final HF export), its result there;
+    the others gather the same tensors with it (`tensors` yields each after a cross-process
+    gather, `models.sharding.host_array`). When `consume` stops early (it raised, or needed
+    fewer), process 0 gathers the rest, so the gathers stay matched; then the error is raised
+    on every process (`on_main`) rather than leaving the others in a gather that process 0
+    never joins."""
     if jax.process_count() == 1:
-        push(tensors)
-        return
+        return consume(tensors)
 
-    def main() -> None:
+    def main() -> T:
         try:
-            push(tensors)
+            return consume(tensors)
         finally:
             drain(tensors)
 
-    on_main(main, follow=lambda: drain(tensors))
+    return on_main(main, follow=lambda: drain(tensors))
 
 
 # Batch fields that only process 0 needs (texts for dumps, the backend's answers).

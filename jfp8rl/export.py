@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -48,13 +50,17 @@ def restore_params(run_dir: str | Path, step: int, like: object) -> object:
         manager.close()
 
 
-def save_policy_folder(out: str | Path, policy: object, params: object) -> Path:
-    """`save_hf` of `params` with the base policy's tokenizer, then its tokenizer config,
-    chat template and generation config copied over (save_hf writes generic ones), so the
-    folder renders prompts and stops like the run. Used for `hf_final` and exports."""
+def save_policy_folder(
+    out: str | Path, policy: object, params: object, tensors: Iterable[Any] | None = None
+) -> Path:
+    """`save_hf` of `params` (`tensors`: their `iter_hf_state`, when the caller makes it) with
+    the base policy's tokenizer, then its tokenizer config, chat template and generation
+    config copied over (save_hf writes generic ones), so the folder renders prompts and stops
+    like the run. Used for `hf_final` and exports."""
     from models.hf_io import save_hf
 
-    out = save_hf(out, policy.cfg, params, policy.tokenizer)  # type: ignore[attr-defined]
+    tok = policy.tokenizer  # type: ignore[attr-defined]
+    out = save_hf(out, policy.cfg, params, tok, tensors=tensors)  # type: ignore[attr-defined]
     for name in _TOKENIZER_FILES:
         src = Path(policy.path) / name  # type: ignore[attr-defined]
         if src.is_file() and src.resolve() != (out / name).resolve():

@@ -31,6 +31,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,8 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
     from rollout_bridge.pool import ServerPool
 
     kw: dict[str, Any] = {
-        "token": r.api_key or None, "timeout_s": r.timeout_s, "export_format": push_format(r),
+        "token": r.api_key or None, "timeout_s": r.timeout_s, "max_retries": r.max_retries,
+        "export_format": push_format(r),
     }  # fmt: skip
     urls = r.server_urls()
     backend: RolloutBackend = (
@@ -365,7 +367,7 @@ def push_params(
     `fetch_dtype(fmt)`, then fetched): the host never holds a full copy of the model. Process 0
     pushes (`backend` is None on the others); every process takes part in the per-tensor
     gathers of a multi-process run."""
-    distributed.push_from_main(
+    distributed.consume_on_main(
         lambda tensors: backend.push_weights(tensors, version),
         iter_hf_state(cfg, params, dtype=fetch_dtype(fmt)),
     )
@@ -689,18 +691,33 @@ def log_base_eval(t: Trainer) -> None:
     t.log(f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on {n} prompts")
 
 
+def stage_export(t: Trainer, state: dict[str, Any], p: Progress) -> Path:
+    """Writes the final params as `<run_dir>/hf_final` (process 0; the others take part in
+    its per-tensor gathers, all of them even when the write fails part-way). A failed write
+    raises `RunStopped` on every process, naming the folder and the export command."""
+    run_dir = Path(t.cfg.run_dir)
+    hf_dir = run_dir / "hf_final"
+
+    def write(tensors: Iterator[tuple[str, np.ndarray]]) -> None:
+        try:
+            save_policy_folder(hf_dir, t.policy, state["params"], tensors)
+        except OSError as e:
+            raise RunStopped(
+                f"the final HF export to {hf_dir} failed ({e}); the run itself is complete, "
+                f"with checkpoint {t.ckpt.directory}/{p.step}. Free the folder, then write "
+                f"the export: python -m jfp8rl.export {run_dir} --step {p.step}"
+            ) from e
+
+    distributed.consume_on_main(write, iter_hf_state(t.policy.cfg, state["params"]))
+    return hf_dir
+
+
 def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> dict[str, Any]:
     """The final HF export (when configured) and the run summary (summary.json)."""
     cfg, run_dir = t.cfg, Path(t.cfg.run_dir)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
-        hf_dir = run_dir / "hf_final"
-        # Written by process 0; the others take part in its per-tensor gathers.
-        distributed.on_main(
-            lambda: save_policy_folder(hf_dir, t.policy, state["params"]),
-            follow=lambda: distributed.drain(iter_hf_state(t.policy.cfg, state["params"])),
-        )
-        summary["hf_final"] = str(hf_dir)
+        summary["hf_final"] = str(stage_export(t, state, p))
     if not distributed.is_main():
         return summary
     recs = read_metrics(run_dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -380,13 +380,16 @@ def save_hf(
     tokenizer: Tokenizer | None = None,
     *,
     max_shard_bytes: int = 5 * 2**30,
+    tensors: Iterable[tuple[str, np.ndarray]] | None = None,
 ) -> Path:
     """Writes an HF folder that transformers and vLLM load: config.json, float32 weights
     (`model.safetensors`, or shards + index above `max_shard_bytes`), generation_config.json,
     and the tokenizer files when `tokenizer` is given. Returns the folder.
 
-    Tensors are fetched one at a time (`iter_hf_state`) and each shard is written as soon as it
-    is full, so host memory holds at most one shard (5 GiB by default), not the model."""
+    Tensors are fetched one at a time (`iter_hf_state(cfg, params)`, or `tensors` when the
+    caller passes that iterator itself, e.g. to finish its cross-process gathers after a
+    failed write: `jfp8rl.distributed.consume_on_main`) and each shard is written as soon as
+    it is full, so host memory holds at most one shard (5 GiB by default), not the model."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32"), indent=2) + "\n")
@@ -410,7 +413,7 @@ def save_hf(
         save_file(shard, str(path), metadata=meta)
         written.append((path, list(shard)))
 
-    for name, x in iter_hf_state(cfg, params):
+    for name, x in iter_hf_state(cfg, params) if tensors is None else tensors:
         if shard and size + x.nbytes > max_shard_bytes:
             flush(shard)
             shard, size = {}, 0

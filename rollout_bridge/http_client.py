@@ -213,7 +213,7 @@ class HttpBackend(RolloutBackend):
         if isinstance(cause, ConnectionRefusedError):
             what = "is not running (connection refused)"
         elif isinstance(cause, TimeoutError):
-            what = f"did not answer within {timeout:.0f} s"
+            what = f"did not answer within {timeout:g} s"
         else:
             what = f"failed ({type(cause).__name__}: {cause})"
         raise RolloutError(
@@ -255,6 +255,10 @@ class HttpBackend(RolloutBackend):
         if not isinstance(choices, list) or len(choices) != expected:
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
             raise RolloutError(f"{self.url}: {what}: expected {expected} choices, got {got}")
+        if not all(isinstance(c, dict) for c in choices):
+            raise RolloutError(
+                f"{self.url}: {what}: choices must be JSON objects, got {choices!r:.200}"
+            )
         if all(isinstance(c.get("index"), int) for c in choices):
             choices = sorted(choices, key=lambda c: c["index"])
             if [c["index"] for c in choices] != list(range(expected)):

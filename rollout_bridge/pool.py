@@ -17,9 +17,9 @@ every server must be able to read), then installed on every live server in paral
 version on each).
 
 Failures: a server whose request fails (`RolloutError`: connection refused, timeout after the
-client's retries, a malformed answer, a weight version other than the one pushed) is dropped
-with a warning naming its URL; its chunk goes back to the queue for the others, and the run
-goes on. When no server is left, `RolloutError` lists every server's failure (the trainer then
+client's retries, a malformed answer, a weight version other than the one pushed; any other
+exception of its call counts too, so a chunk is never left in flight) is dropped with a
+warning naming its URL; its chunk goes back to the queue for the others, and the run goes on. When no server is left, `RolloutError` lists every server's failure (the trainer then
 stops with its checkpoint and the resume command, `jfp8rl.loop`).
 """
 
@@ -172,7 +172,9 @@ class ServerPool(RolloutBackend):
                 lo, hi = bounds[k]
                 try:
                     out = call(server, lo, hi)
-                except RolloutError as e:
+                except Exception as e:  # any failure drops the server: its chunk must not hang
+                    if not isinstance(e, RolloutError):
+                        e = RolloutError(f"{server.url}: {what}: {type(e).__name__}: {e}")
                     self._drop(server, e)
                     with cond:
                         queue.append(k)

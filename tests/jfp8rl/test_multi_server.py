@@ -7,23 +7,38 @@
   survivor serves the final version.
 - All servers killed: the run stops (exit 1, the resume command) with a checkpoint that a
   resumed run on a fresh server loads and continues from.
+- Faults beside a real server (`Faulty`, a stdlib HTTP server on 127.0.0.1 that answers like a
+  rollout server except on one route): a server hanging past `rollout.timeout_s` (after
+  `rollout.max_retries` retries, counted), answering non-JSON, too few choices or fields of the
+  wrong type is dropped
+  with a warning naming its URL and the cause, and the pool's samples equal the real server's
+  alone. A push where one server hangs on /update_weights and one dies there reaches the
+  others (`/weight_info`), and the pool goes on sampling the new version.
+- `score` through 2 servers equals one server's (same order); a dead server is dropped there too.
 
 Three servers start once for the module (in parallel); the tests kill them in order.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
 import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 from tiny_run import TINY, small
 
 from jfp8rl.checkpoint import Checkpointer
+from jfp8rl.config import load_config
+from jfp8rl.loop import make_backend
 from jfp8rl.metrics import read_metrics
 from jfp8rl.train import main
 from models.hf_io import load_hf, to_hf_state_dict
@@ -35,6 +50,111 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "rollout_
 from serve_proc import ServeProcess  # noqa: E402
 
 PROMPTS = [[49, 43, 50, 61], [72, 101, 108, 108, 111], [7] * 9, [51, 42, 52, 61], [65], [56] * 3]
+SAMPLING = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
+
+
+class Faulty:
+    """A rollout server on 127.0.0.1 (stdlib `http.server` in a thread) that answers /health,
+    /v1/models, /weight_info and the weight-push routes as a healthy one does, except on
+    `route`, where it shows `fault`: "hang" (no answer until `close`, past any client
+    timeout), "not_json" (a 200 whose body is not JSON), "few_choices" (one choice fewer than
+    n x prompts), "odd_types" (numbers where the choices have lists) or "die" (closes its
+    listening socket, then drops the connection unanswered, as a killed process does). `hits`
+    counts the requests per route."""
+
+    def __init__(self, route: str, fault: str) -> None:
+        self.route, self.fault = route, fault
+        self.hits: Counter[str] = Counter()
+        self.version = "base"
+        self.release = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._stopped = False
+        threading.Thread(  # a short poll: `stop` returns at once
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(n)) if n else None
+                route = self.path.split("?")[0]
+                fake.hits[route] += 1
+                out = fake.answer(route, body)
+                if out is None:  # hang / die: no answer on this connection
+                    self.close_connection = True
+                    return
+                raw = out if isinstance(out, bytes) else json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            do_GET = do_POST = _answer
+
+        return Handler
+
+    def answer(self, route: str, body: Any) -> Any:
+        """The JSON to answer (bytes: sent as they are; None: no answer)."""
+        if route == self.route:
+            if self.fault == "hang":
+                self.release.wait(60)
+                return None
+            if self.fault == "die":
+                self.stop()
+                return None
+            if self.fault == "not_json":
+                return b"<html>502 Bad Gateway</html>"
+            if self.fault == "few_choices":
+                return {"choices": [{}] * (body["n"] * len(body["prompt"]) - 1)}
+            if self.fault == "odd_types":  # numbers where lists belong: a TypeError to parse
+                odd = {"finish_reason": "length", "token_ids": 7, "logprobs": {"token_logprobs": 7}}
+                return {"choices": [odd] * (body["n"] * len(body["prompt"]))}
+        if route == "/v1/models":
+            return {"data": [{"id": "faulty"}]}
+        if route == "/weight_info":
+            return {"weight_version": self.version}
+        if route == "/finish_weight_update":
+            self.version = body["weight_version"]
+        return {}
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.server.shutdown()
+            self.server.server_close()
+
+    def close(self) -> None:
+        self.release.set()
+        self.stop()
+
+
+@pytest.fixture
+def faulty() -> Any:
+    """`faulty(route, fault)` -> a started `Faulty`; all are closed after the test."""
+    made: list[Faulty] = []
+
+    def make(route: str, fault: str) -> Faulty:
+        made.append(Faulty(route, fault))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def _dropped(caplog: pytest.LogCaptureFixture, url: str) -> tuple[str, float]:
+    """The pool's warning that dropped `url` (it must name the URL) and when it was logged."""
+    hits = [r for r in caplog.records if r.getMessage().startswith(f"rollout server {url} dropped")]
+    assert len(hits) == 1, caplog.text
+    return hits[0].getMessage(), hits[0].created
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +199,7 @@ def test_pool_samples_equal_one_server_and_pushes_reach_all(
     servers: list[ServeProcess], base_policy_dir: Path, tmp_path: Path
 ) -> None:
     urls = [s.url for s in servers]
-    sp = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
+    sp = SAMPLING
     one = HttpBackend(urls[0], export_root=tmp_path / "one", max_retries=0)
     pools = [ServerPool(urls[:k], export_root=tmp_path / f"p{k}") for k in (2, 3)]
     cfg, _, params = load_hf(base_policy_dir)
@@ -93,6 +213,51 @@ def test_pool_samples_equal_one_server_and_pushes_reach_all(
         _same(pool.generate(PROMPTS, sp), ref)
     for backend in (one, *pools):
         backend.close()
+
+
+def test_faulty_servers_are_dropped_and_their_prompts_resent(
+    servers: list[ServeProcess],
+    base_policy_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    faulty: Any,
+) -> None:
+    """A real server beside four faulty ones, through the config keys (rollout.urls,
+    rollout.timeout_s=1, rollout.max_retries=1): every faulty one is dropped with its URL
+    and cause, its prompts go to the real one, and the samples equal the real one's alone.
+    (The real server has the same 1 s timeout: the one-prompt chunks it answers are compiled
+    first, so it answers them in well under that.)"""
+    real = servers[0].url
+    faults = ("hang", "not_json", "few_choices", "odd_types")
+    hang, bad_json, few, odd = (faulty("/v1/completions", f) for f in faults)
+    urls = [real, hang.url, bad_json.url, few.url, odd.url]
+    cfg = load_config(TINY, ["rollout.backend=http", f"rollout.urls=[{','.join(urls)}]",
+                             "rollout.timeout_s=1", "rollout.max_retries=1"])  # fmt: skip
+    pool = make_backend(cfg, SimpleNamespace(path=base_policy_dir), tmp_path)
+    assert isinstance(pool, ServerPool)
+    assert {(s.timeout_s, s.max_retries) for s in pool.servers} == {(1.0, 1)}
+    one = HttpBackend(real, export_root=tmp_path / "one", max_retries=0)
+    one.generate(PROMPTS[:1], SAMPLING)  # compiles the one-prompt chunk's shape on the server
+    ref = one.generate(PROMPTS, SAMPLING)
+    t0 = time.time()
+    _same(pool.generate(PROMPTS, SAMPLING), ref)
+    assert [s.url for s in pool.live] == [real]
+    msg, t_drop = _dropped(caplog, hang.url)
+    want = f"{hang.url} did not answer within 1 s on POST /v1/completions after 2 attempt(s)"
+    assert want in msg, msg
+    # 1 + max_retries attempts of 1 s each, backoff 0.5 s between: ~2.5 s; the bound below
+    # only catches a timeout or retry count that is not honoured (minutes), not speed.
+    print(f"hanging server dropped {t_drop - t0:.2f} s after the generate call")
+    assert hang.hits["/v1/completions"] == 2 and t_drop - t0 < 30
+    msg, _ = _dropped(caplog, bad_json.url)
+    assert f"POST {bad_json.url}/v1/completions: response is not JSON" in msg, msg
+    msg, _ = _dropped(caplog, few.url)
+    assert f"{few.url}: generate: expected 3 choices, got 2" in msg, msg
+    msg, _ = _dropped(caplog, odd.url)  # not a RolloutError: dropped all the same, no hang
+    assert f"{odd.url}: generate: TypeError: object of type 'int' has no len()" in msg, msg
+    assert {f.hits["/v1/completions"] for f in (bad_json, few, odd)} == {1}  # no retries
+    pool.close()
+    one.close()
 
 
 def _run_in_thread(argv: list[str]) -> tuple[threading.Thread, dict[str, int]]:
@@ -139,6 +304,57 @@ def test_killed_server_is_dropped_and_the_run_finishes(
     for r in read_metrics(run_dir)[1:]:
         assert math.isfinite(r["reward/mean"]) and math.isfinite(r["actor/pg_loss"])
     assert _version(keep.url) == "step-4"
+
+
+def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
+    servers: list[ServeProcess],
+    base_policy_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    faulty: Any,
+) -> None:
+    """A push to two real servers, one hanging on /update_weights and one dying there: the
+    two faulty ones are dropped with their URLs, the real ones serve the new version and the
+    pool goes on sampling it. Then `score` through the two real servers equals one server's,
+    in the same order, also with the killed server (previous test) in the pool."""
+    alive, dead = servers[:2], servers[2]
+    assert dead.proc.poll() is not None, "the previous test kills servers[2]"
+    urls = [s.url for s in alive]
+    hang, die = faulty("/update_weights", "hang"), faulty("/update_weights", "die")
+    pool = ServerPool([*urls, hang.url, die.url], export_root=tmp_path / "push", timeout_s=5,
+                      max_retries=1)  # fmt: skip
+    cfg, _, params = load_hf(base_policy_dir)
+    hf = {k: v * 0.75 for k, v in to_hf_state_dict(cfg, params).items()}
+    pool.push_weights(hf, "mid-push-1")
+    assert [s.url for s in pool.live] == urls
+    assert [_version(u) for u in urls] == ["mid-push-1"] * 2
+    msg, _ = _dropped(caplog, hang.url)
+    assert "did not answer within 5 s on POST /update_weights after 1 attempt(s)" in msg, msg
+    msg, _ = _dropped(caplog, die.url)  # the update's connection dropped, then refused
+    assert f"rollout server at {die.url} is not running (connection refused)" in msg, msg
+    # A sent update is never repeated (not idempotent); the dead one's resume was retried.
+    assert hang.hits["/update_weights"] == die.hits["/update_weights"] == 1
+    one = HttpBackend(urls[0], export_root=tmp_path / "one", max_retries=0)
+    ref = one.generate(PROMPTS, SAMPLING)
+    assert {c.weight_version for c in ref} == {"mid-push-1"}
+    _same(pool.generate(PROMPTS, SAMPLING), ref)  # the run goes on with the new version
+    pool.close()
+
+    seqs = [p + [60, 61, 62, 63][: 1 + i % 4] for i, p in enumerate(PROMPTS)]
+    ref_scores = one.score(seqs)
+    assert [len(x) for x in ref_scores] == [len(s) for s in seqs]
+    for k, pool_urls in enumerate((urls, [*urls, dead.url])):
+        scorer = ServerPool(pool_urls, export_root=tmp_path / f"score{k}", max_retries=1,
+                            backoff_s=0.05)  # fmt: skip
+        got = scorer.score(seqs)
+        assert [len(x) for x in got] == [len(s) for s in seqs]
+        for x, y in zip(got, ref_scores, strict=True):  # another batch split: ~1e-7 apart
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+        assert [s.url for s in scorer.live] == urls
+        scorer.close()
+    msg, _ = _dropped(caplog, dead.url)
+    assert f"rollout server at {dead.url} is not running (connection refused)" in msg, msg
+    one.close()
 
 
 def test_all_servers_killed_stop_with_a_loadable_checkpoint(

@@ -13,7 +13,9 @@ stays inside each), 3 RL steps with the embedded rollout engine on process 0:
 * a run killed after checkpoint 2 (its folder as the kill leaves it: checkpoint 3 and the
   export not there yet; orbax saves are atomic) and resumed by two new processes equals the
   uninterrupted two-process run exactly: step 3's metrics and the final params;
-* process 0 alone wrote the run folder: one metrics record per step.
+* process 0 alone wrote the run folder: one metrics record per step;
+* the final export failing on process 0 (before its first tensor, while process 1 waits in the
+  export's per-tensor gathers) stops both processes with exit 1 and the export command.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ def env(devices: int) -> dict[str, str]:
     )
 
 
-def start(procs: int, run_dir: Path, cache_dir: Path, *flags: str) -> subprocess.Popen:
+def start(
+    procs: int, run_dir: Path, cache_dir: Path, *flags: str, last: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """The trainer on `run_dir`: one process with 4 devices, or `procs` processes (launcher)
-    with 4 / procs devices each; output in `run_dir`.log (or .log/proc-i.log)."""
-    train = ["--config", str(TINY), *flags, *small(run_dir, cache_dir, *OVERRIDES)]
+    with 4 / procs devices each; output in `run_dir`.log (or .log/proc-i.log). `last`:
+    overrides after OVERRIDES (they win)."""
+    train = ["--config", str(TINY), *flags, *small(run_dir, cache_dir, *OVERRIDES, *last)]
     log = Path(f"{run_dir}.log")
     if procs == 1:
         cmd = [sys.executable, "-m", "jfp8rl.train", *train]
@@ -130,6 +135,36 @@ def test_two_processes_match_one_and_resume_exactly(
     pb = read_safetensors(resumed / "hf_final" / "model.safetensors")
     for k in pa:
         assert (pa[k] == pb[k]).all(), k
+    _export_failure_stops_both(two, tmp_path / "broken", cache_dir)
+
+
+def _export_failure_stops_both(done: Path, run_dir: Path, cache_dir: Path) -> None:
+    """The final export fails on process 0 before its first tensor (hf_final is a file)
+    while process 1 is in the export's per-tensor gathers: both must stop with the error
+    (exit 1, the export command). Resumed at the last step (setup, sync, export only) on an
+    fsdp=4 mesh, so each gather crosses the processes (with data=2 x fsdp=2 it stays inside
+    each); main's code before the fix hung there (both processes idle until killed)."""
+    shutil.copytree(done, run_dir)
+    shutil.rmtree(run_dir / "hf_final")
+    (run_dir / "summary.json").unlink()
+    (run_dir / "hf_final").write_text("a file where the export folder goes")
+    mesh = ("train.mesh.data=1", "train.mesh.fsdp=4")
+    proc = start(2, run_dir, cache_dir, "--resume", last=mesh)
+    try:
+        rc = proc.wait(timeout=300)  # a sanity bound: a hang, not a speed target
+    except subprocess.TimeoutExpired:
+        # SIGTERM does not end a jax.distributed process (JAX takes it as a preemption
+        # notice): kill the hung trainers themselves.
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
+        proc.kill()
+        proc.wait()
+        rc = None
+    log0, log1 = ((Path(f"{run_dir}.log") / f"proc-{i}.log").read_text() for i in (0, 1))
+    assert rc == 1, f"rc {rc}\n{log0[-2000:]}\n{log1[-2000:]}"
+    why = f"the final HF export to {run_dir}/hf_final failed"
+    assert f"error: {why}" in log0 and f"python -m jfp8rl.export {run_dir} --step 3" in log0
+    assert "error: process 0 stopped the run: RunStopped: " + why in log1, log1[-2000:]
+    assert (run_dir / "hf_final").read_text() == "a file where the export folder goes"
 
 
 @pytest.mark.slow
