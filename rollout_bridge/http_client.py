@@ -422,8 +422,15 @@ class HttpBackend(RolloutBackend):
             self._request(
                 "POST", "/finish_weight_update", {"weight_version": version}, idempotent=False
             )
-        finally:
-            self._request("POST", "/resume")
+        except BaseException as e:
+            # Resume even after a failed update; if that fails too (the server died), the
+            # update's error is the one to report, with the resume failure noted.
+            try:
+                self._request("POST", "/resume")
+            except RolloutError as resume_err:
+                e.add_note(f"and /resume failed too: {resume_err}")
+            raise
+        self._request("POST", "/resume")
         served = self.weight_version()
         if served != version:
             raise RolloutError(

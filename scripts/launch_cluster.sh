@@ -135,8 +135,18 @@ if [[ "$PORT" == 0 ]]; then
   PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
-trap cleanup INT TERM
+# SIGTERM first; a JAX process stuck in a collective ignores it (jax's preemption service
+# catches SIGTERM), so whatever is still alive after a grace period gets SIGKILL.
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && return 0
+    sleep 1
+  done
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+}
+trap 'cleanup; exit 130' INT TERM
 for ((i = 0; i < LOCAL; i++)); do
   args=("${TRAIN[@]}" --coordinator "127.0.0.1:$PORT" --num-processes "$LOCAL" --process-id "$i")
   if [[ $DRY -eq 1 ]]; then echo "cd $(q "$REPO") && PYTHONPATH=$(q "$REPO") $(q "${args[@]}")"; continue; fi
@@ -152,7 +162,9 @@ done
 # The first process to fail stops the others (they would wait for it in a collective).
 rc=0 running=("${pids[@]}")
 while [[ ${#running[@]} -gt 0 ]]; do
+  done_pid=""
   set +e; wait -n -p done_pid "${running[@]}"; code=$?; set -e
+  [[ -n "$done_pid" ]] || { cleanup; exit "${code:-1}"; }  # wait itself was interrupted
   rest=(); for p in "${running[@]}"; do [[ $p == "$done_pid" ]] || rest+=("$p"); done
   running=("${rest[@]}")
   if [[ $code -ne 0 && $rc -eq 0 ]]; then
