@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -131,6 +132,21 @@ def peak_rss_growth(fn) -> int:
     return peak[0]
 
 
+_PLUGIN_LINE = re.compile(r"jfp8rl_shm: (v\d+) read\+verified in ([\d.]+) s, loaded in ([\d.]+) s")
+
+
+def server_stage_times(log: str) -> dict[str, float]:
+    """Medians over the full pushes (versions v<k>) of the plugin's own stage times, from the
+    vLLM log: reading + verifying the export, and vLLM's `load_weights`."""
+    hits = _PLUGIN_LINE.findall(log)
+    if not hits:
+        return {}
+    return {
+        "read_verify": statistics.median(float(h[1]) for h in hits),
+        "vllm_load": statistics.median(float(h[2]) for h in hits),
+    }
+
+
 def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
     """Copy, export, load and full-push rows for one model; each format goes to a vLLM server
     of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one)."""
@@ -184,6 +200,7 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
                     lambda c=client, f=fmt: push_params(c, cfg, params, "rss", f)
                 )
                 rows[-1]["rss_MB"] = grow / 1e6
+                rows[-1]["server"] = server_stage_times(server.log_tail(1 << 20))
                 client.close()
     for r in rows:
         r["state_MB"] = nbytes / 1e6
@@ -219,6 +236,16 @@ def main() -> None:
     model = "100m" if any(r["model"] == "100m" for r in rows) else rows[-1]["model"]
     pick = {(r["fmt"], r["step"]): r for r in rows if r["model"] == model}
     full, copy = pick[("bf16", "full")]["s"], pick[("-", "copy")]["s"]
+    srv = pick[("bf16", "full")].get("server")
+    if srv:
+        export = pick[("bf16", "export")]["s"]
+        rest = full - export - srv["read_verify"] - srv["vllm_load"]
+        print(
+            f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
+            f"device, write, blake3) + server read+verify {srv['read_verify']:.3f} s + vLLM "
+            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: pause, "
+            "update, finish, resume, /weight_info; vLLM's RPC to its worker)"
+        )
     print(
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "
         f"stream one at a time; the {model} float32 state is {pick[('-', 'copy')]['state_MB']:.0f} MB)"
