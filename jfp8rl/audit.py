@@ -387,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="comma-separated recipe/grad pairs, e.g. bf16/-,fp8_block/e4m3 (default: all)",
     )
+    parser.add_argument(
+        "--updates",
+        default=",".join(map(str, UPDATES)),
+        help="comma-separated optimizer-update counts of the rows (default: %(default)s)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
     args = parser.parse_args(argv)
     recipes = RECIPES
@@ -400,6 +405,14 @@ def main(argv: list[str] | None = None) -> int:
     from jfp8rl.data import DataError
 
     try:
+        updates = tuple(sorted({int(u) for u in args.updates.split(",")}))
+        if not updates or updates[0] < 0:
+            raise ValueError(args.updates)
+    except ValueError:
+        print(f"error: --updates {args.updates!r}: need comma-separated ints >= 0, e.g. 0,1,2,4",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
         config = args.config
         if not config:
             if not args.checkpoint:
@@ -407,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             config = str(checkpoint_step(args.checkpoint)[0] / "config.yaml")
         run_audit(
             config, args.overrides, args.out, recipes, log=lambda m: print(m, file=sys.stderr),
-            checkpoint=args.checkpoint or None,
+            checkpoint=args.checkpoint or None, updates=updates,
         )  # fmt: skip
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
