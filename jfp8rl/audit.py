@@ -1,4 +1,4 @@
-"""`python -m jfp8rl.audit --config C [overrides] --out DIR`: the FP8 numerics audit (issue 12).
+"""`python -m jfp8rl.audit --config C [--checkpoint RUN] [overrides] --out DIR`: the FP8 audit.
 
 For the configured policy and ONE rollout batch (sampled by the configured rollout backend),
 per training recipe (bf16, fp8_tensor, fp8_row, fp8_block; the FP8 ones with E4M3 and with
@@ -26,6 +26,14 @@ stages for the rollout; `losses.calibrated` for shares, balances and bounds):
 * Calibrated Clipping's (L, H) solved from these FP8 ratios against the BF16 reference
   (`reference_stats`, `solve_bounds`, the configured upper rule and balance), and the shares
   and balance they give (`*_calibrated`).
+
+Start state: by default the configured base policy with a fresh Adam state (updates at the
+configured lr without warm-up: the first update is a sign step). `--checkpoint RUN_DIR` (its
+latest checkpoint) or `--checkpoint RUN_DIR/checkpoints/STEP` starts instead from that
+checkpoint's params, Adam moments and calibration state (held L, H under `hold`), at the run's
+lr schedule and data position: the batch is the run's next step's. The recipe of each row comes
+from the trainer's own keys (`train.recipe`, `train.grad_format`). Rows also carry
+`start_step`, `param_norm` and `opt_state_norm` (float64 L2 norms) of the state they measure.
 
 Writes `DIR/audit.json` (a list of rows, one per (recipe, grad format, updates)) and
 `DIR/audit.md` (the same as a markdown table); `DIR/run/` holds the resolved config.
@@ -139,7 +147,11 @@ def tree_norm(tree: Any) -> float:
     host: the audit rows' `param_norm` / `opt_state_norm`, which show where the updates
     started (a checkpoint's state or a fresh one)."""
     leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
-    sq = [np.sum(np.square(x.astype(np.float64))) for x in leaves if np.issubdtype(x.dtype, np.floating)]
+    sq = [
+        np.sum(np.square(x.astype(np.float64)))
+        for x in leaves
+        if np.issubdtype(x.dtype, np.floating)
+    ]
     return float(math.sqrt(sum(sq)))
 
 
@@ -325,7 +337,7 @@ def run_audit(
     calibration state are that checkpoint's and the batch is the run's next step's; without
     it, the configured base policy with a fresh optimizer."""
     from jfp8rl.config import load_config
-    from jfp8rl.loop import Progress, setup, stage_rollout, stage_sync
+    from jfp8rl.loop import setup, stage_rollout, stage_sync
 
     t0 = time.perf_counter()
     out = Path(out)

@@ -122,7 +122,9 @@ def test_grad_format_e5m2_quantizes_the_backward_gemm_gradient(tmp_path: Path) -
     assert (recipe.name, recipe.fwd_format, recipe.bwd_format) == ("fp8_tensor", "e4m3", "e5m2")
 
     def grads(r, a, b, g):
-        y, vjp = jax.vjp(lambda a_, b_: fp8.fp8_dot_general(a_, b_, (((1,), (0,)), ((), ())), recipe=r), a, b)
+        y, vjp = jax.vjp(
+            lambda a_, b_: fp8.fp8_dot_general(a_, b_, (((1,), (0,)), ((), ())), recipe=r), a, b
+        )
         return [np.asarray(x, np.float64) for x in vjp(jnp.asarray(g, jnp.float32))]
 
     # Hand-checked: a = e_0 and b = I are exact in E4M3 (per-tensor scales 1/448), so
