@@ -180,16 +180,19 @@ def test_audit_from_checkpoint_starts_at_its_state(
     from jfp8rl.loop import run
 
     run_dir = tmp_path / "run"
-    sets = small(run_dir, cache_dir, "train.steps=2", "train.eval_every=0", "data.eval_size=4",
-                 "checkpoint.export_hf=false", "logging.tensorboard=false")  # fmt: skip
+    # The shapes and settings of the module's audit fixture (its fp8_block/e5m2 programs are
+    # compiled already), and a real run with E5M2 gradients.
+    sets = small(run_dir, cache_dir, "data.batch_size=8", "train.mini_batches=4",
+                 "train.steps=2", "train.eval_every=0", "data.eval_size=4", "optim.warmup_steps=0",
+                 "train.grad_format=e5m2", "checkpoint.export_hf=false",
+                 "logging.tensorboard=false")  # fmt: skip
     run(load_config(TINY, sets))
     state = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / "2" / "state")
     ref_params, ref_opt = float_norm(state["params"]), float_norm(state["opt_state"])
     assert ref_opt > 0.0  # Adam moments after 2 steps
 
     out = tmp_path / "audit"
-    # The run's own recipe (fp8_block): its compiled programs are reused.
-    rows = run_audit(str(run_dir / "config.yaml"), [], out, (("fp8_block", "e4m3"),),
+    rows = run_audit(str(run_dir / "config.yaml"), [], out, (("fp8_block", "e5m2"),),
                      log=lambda m: None, checkpoint=run_dir, updates=(0, 1))  # fmt: skip
     by = {r["updates"]: r for r in rows}
     assert by[0]["start_step"] == 2
