@@ -1,4 +1,4 @@
-"""`python -m jfp8rl.audit --config C [overrides] --out DIR`: the FP8 numerics audit (issue 12).
+"""`python -m jfp8rl.audit --config C [--checkpoint RUN] [overrides] --out DIR`: the FP8 audit.
 
 For the configured policy and ONE rollout batch (sampled by the configured rollout backend),
 per training recipe (bf16, fp8_tensor, fp8_row, fp8_block; the FP8 ones with E4M3 and with
@@ -26,6 +26,14 @@ stages for the rollout; `losses.calibrated` for shares, balances and bounds):
 * Calibrated Clipping's (L, H) solved from these FP8 ratios against the BF16 reference
   (`reference_stats`, `solve_bounds`, the configured upper rule and balance), and the shares
   and balance they give (`*_calibrated`).
+
+Start state: by default the configured base policy with a fresh Adam state (updates at the
+configured lr without warm-up: the first update is a sign step). `--checkpoint RUN_DIR` (its
+latest checkpoint) or `--checkpoint RUN_DIR/checkpoints/STEP` starts instead from that
+checkpoint's params, Adam moments and calibration state (held L, H under `hold`), at the run's
+lr schedule and data position: the batch is the run's next step's. The recipe of each row comes
+from the trainer's own keys (`train.recipe`, `train.grad_format`). Rows also carry
+`start_step`, `param_norm` and `opt_state_norm` (float64 L2 norms) of the state they measure.
 
 Writes `DIR/audit.json` (a list of rows, one per (recipe, grad format, updates)) and
 `DIR/audit.md` (the same as a markdown table); `DIR/run/` holds the resolved config.
@@ -134,18 +142,34 @@ def _schedule(n_samples: int, mini_batches: int, epochs: int, seed: int, step: i
     return out
 
 
+def tree_norm(tree: Any) -> float:
+    """L2 norm in float64 of a pytree's floating-point leaves (integer counters left out), on
+    host: the audit rows' `param_norm` / `opt_state_norm`, which show where the updates
+    started (a checkpoint's state or a fresh one)."""
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
+    sq = [
+        np.sum(np.square(x.astype(np.float64)))
+        for x in leaves
+        if np.issubdtype(x.dtype, np.floating)
+    ]
+    return float(math.sqrt(sum(sq)))
+
+
 def audit_recipe(
     t: Any,
-    params: Any,
+    start: dict[str, Any],
     batch: Any,
     recipe: str,
     grad_format: str,
     updates: tuple[int, ...] = UPDATES,
+    step: int = 1,
 ) -> list[dict[str, Any]]:
     """The audit rows of one recipe (module docstring): `t` a `loop.Trainer` (its policy, mesh,
-    settings), `params` the old params, `batch` the step's `RolloutBatch`."""
+    settings), `start` the train state the updates start from (params = the old params, Adam
+    moments, calibration state: fresh, or a checkpoint's), `batch` step `step`'s
+    `RolloutBatch`."""
     from jfp8rl import mesh as mesh_lib
-    from jfp8rl.loop import init_state, stage_prepare, step_settings
+    from jfp8rl.loop import stage_prepare, step_settings
     from jfp8rl.step import (
         MODEL_INPUTS,
         make_step_fns,
@@ -153,29 +177,31 @@ def audit_recipe(
         num_micro_batches,
         response_logprobs,
     )
-    from models.fp8 import get_recipe
 
-    cfg = t.cfg
+    # The trainer's own recipe from its config keys (train.recipe, train.grad_format).
+    grad = "e4m3" if grad_format == "-" else grad_format
+    train_cfg = dataclasses.replace(t.cfg.train, recipe=recipe, grad_format=grad)
+    cfg = dataclasses.replace(t.cfg, train=train_cfg)
     settings, opt = step_settings(cfg)
-    fmt = {} if grad_format == "-" else {"bwd_format": grad_format}
-    train_recipe = get_recipe(recipe, **fmt)
+    train_recipe = settings.train_recipe
     # Calibrated programs (the prepare pass computes the BF16 shadow old logprobs); in hold
     # mode before any calibration the updates use the plain bounds.
     settings = settings._replace(
-        train_recipe=train_recipe,
         calibrated=True,
         calib_cfg=dataclasses.replace(settings.calib_cfg, mode="hold"),
     )
-    layout = mesh_lib.param_layout(t.mesh, t.policy.cfg, params)
+    layout = mesh_lib.param_layout(t.mesh, t.policy.cfg, start["params"])
     fns = make_step_fns(t.policy.graphdef, settings, opt, layout)
     tr = dataclasses.replace(t, fns=fns, settings=settings)
-    # A copy: `update` donates its state, and every recipe starts from the same old params.
-    state = init_state(tr, jax.tree.map(jnp.copy, params))
+    # A copy: `update` donates its state, and every recipe starts from the same state.
+    keys = ("params", "opt_state", "calib")
+    sh = fns.state_shardings(start["calib"])
+    state = {k: jax.device_put(jax.tree.map(jnp.copy, start[k]), sh[k]) for k in keys}
     full, prep_metrics = stage_prepare(tr, state, batch, calibrate=True)
     n = full["tokens"].shape[0]
     tc = cfg.train
     epochs = max(tc.ppo_epochs, -(-max(updates) // tc.mini_batches))
-    sched = _schedule(n, tc.mini_batches, epochs, tc.seed, 1)
+    sched = _schedule(n, tc.mini_batches, epochs, tc.seed, step)
     k = num_micro_batches(len(sched[0]), settings.micro_batch_size)
     graphdef, shadow, dat = t.policy.graphdef, settings.shadow_recipe, layout.batch()
 
@@ -204,7 +230,7 @@ def audit_recipe(
         return np.where(mask, lr8, 0.0), np.where(mask, lr16, 0.0)
 
     adv, mask = full["advantages"], full["response_mask"]
-    sub = {key: state[key] for key in ("params", "opt_state", "calib")}
+    sub = state
     rows, done, floor = [], 0, float("nan")
     for u in sorted(updates):
         while done < u:
@@ -224,6 +250,9 @@ def audit_recipe(
                 "noise_floor": floor,
                 **stats,
                 "mismatch_kl": prep_metrics.get("rollout_corr/kl", float("nan")),
+                "start_step": step - 1,
+                "param_norm": tree_norm(sub["params"]),
+                "opt_state_norm": tree_norm(sub["opt_state"]),
             }
         )
     return rows
@@ -248,41 +277,99 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def checkpoint_step(path: str | Path) -> tuple[Path, int]:
+    """(run folder, step) of `--checkpoint PATH`: a run folder (its latest checkpoint) or a
+    step folder `RUN/checkpoints/<step>`; ConfigError naming PATH otherwise."""
+    from jfp8rl.checkpoint import Checkpointer
+    from jfp8rl.config import ConfigError
+
+    p = Path(path)
+    if p.parent.name == "checkpoints" and p.name.isdigit():
+        run_dir, step = p.parent.parent, int(p.name)
+    elif (p / "checkpoints").is_dir():
+        run_dir, step = p, None
+    else:
+        raise ConfigError(
+            f"--checkpoint {p}: neither a run folder holding checkpoints/ nor a step folder "
+            "RUN/checkpoints/<step>; pass the run_dir of a `python -m jfp8rl.train` run"
+        )
+    ckpt = Checkpointer(run_dir, keep=1_000_000)  # reads only: keep deletes nothing
+    try:
+        steps = ckpt.all_steps()
+    finally:
+        ckpt.close()
+    step = max(steps) if step is None and steps else step
+    if step not in steps:
+        raise ConfigError(f"--checkpoint {p}: no checkpoint {step} in {run_dir}/checkpoints "
+                          f"(it holds {sorted(steps)})")  # fmt: skip
+    return run_dir, step
+
+
+def restore_checkpoint(t: Any, state: dict[str, Any], run_dir: Path, step: int) -> tuple:
+    """(the train state of `run_dir`'s checkpoint `step`, restored in the layout of `state`;
+    the run's `Progress` there). The audit's updates then start from its params, Adam
+    moments and calibration state, and its rollout is the run's next step's."""
+    from jfp8rl.checkpoint import Checkpointer
+    from jfp8rl.loop import Progress, abstract_array
+
+    ckpt = Checkpointer(run_dir, keep=1_000_000)
+    try:
+        restored, meta = ckpt.restore(step, jax.tree.map(abstract_array, state))
+    finally:
+        ckpt.close()
+    progress = Progress(meta["step"], meta["data_position"], meta["nonfinite_run"])
+    t.log(f"[audit] from {run_dir}/checkpoints/{step} (step {progress.step})")
+    return restored, progress
+
+
 def run_audit(
     config: str,
     overrides: list[str],
     out: str | Path,
     recipes: tuple[tuple[str, str], ...] = RECIPES,
     log: Any = print,
+    checkpoint: str | Path | None = None,
+    updates: tuple[int, ...] = UPDATES,
 ) -> list[dict[str, Any]]:
     """One rollout batch of the configured policy, every recipe's rows; writes
-    `out/audit.json` and `out/audit.md` and returns the rows."""
+    `out/audit.json` and `out/audit.md` and returns the rows. With `checkpoint` (a run folder
+    or one of its step folders, `checkpoint_step`) the policy, the Adam moments and the
+    calibration state are that checkpoint's and the batch is the run's next step's; without
+    it, the configured base policy with a fresh optimizer."""
     from jfp8rl.config import load_config
-    from jfp8rl.loop import Progress, setup, stage_rollout, stage_sync
+    from jfp8rl.loop import setup, stage_rollout, stage_sync
 
     t0 = time.perf_counter()
     out = Path(out)
-    # No lr warm-up: the audited updates run at the configured lr (a warm-up would make the
-    # first update a no-op).
-    sets = [*overrides, f"run_dir={out / 'run'}", "optim.warmup_steps=0", "logging.console=none",
+    # Fresh: no lr warm-up, the audited updates run at the configured lr (a warm-up would make
+    # the first update a no-op). From a checkpoint: the run's schedule at its optimizer count
+    # (its optimizer state has the schedule's structure).
+    source = checkpoint_step(checkpoint) if checkpoint else None
+    fresh = [] if source else ["optim.warmup_steps=0"]
+    sets = [*overrides, f"run_dir={out / 'run'}", *fresh, "logging.console=none",
             "logging.tensorboard=false"]  # fmt: skip
     cfg = load_config(config, sets)
-    t, state, _, _ = setup(cfg, "never", log, sys.stderr)
+    t, state, progress, _ = setup(cfg, "never", log, sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:
-        stage_sync(t, state, 0)
-        batch, _ = stage_rollout(t, Progress(), 1)
+        if source:
+            state, progress = restore_checkpoint(t, state, *source)
+        stage_sync(t, state, progress.step)
+        batch, _ = stage_rollout(t, progress, progress.step + 1)
         n_tok = int(np.sum(batch.response_mask))
         for i, (recipe, grad) in enumerate(recipes):
-            rows += audit_recipe(t, state["params"], batch, recipe, grad)
+            rows += audit_recipe(t, state, batch, recipe, grad, updates, progress.step + 1)
             elapsed = time.perf_counter() - t0
             log(f"[audit] {recipe}/{grad} done ({i + 1}/{len(recipes)}, {elapsed:.0f} s)")
             # Written after every recipe: a long audit interrupted keeps what it measured.
+            start = (f"from {source[0]}/checkpoints/{source[1]} (Adam and calibration state "
+                     "restored)" if source else "fresh optimizer")  # fmt: skip
             header = (
-                f"audit: {config} {' '.join(overrides)}; one rollout batch of "
+                f"audit: {config} {' '.join(overrides)}; {start}; one rollout batch of "
                 f"{len(batch.tokens)} samples ({n_tok} response tokens), rollout recipe "
-                f"{cfg.rollout.recipe}, lr {cfg.optim.lr} (no warm-up), "
+                f"{cfg.rollout.recipe}, lr {cfg.optim.lr} "
+                f"{'(the run schedule)' if source else '(no warm-up)'}, "
                 f"{cfg.train.mini_batches} mini-batches; {elapsed:.0f} s"
             )
             (out / "audit.json").write_text(json.dumps(rows, indent=1) + "\n")
@@ -298,12 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jfp8rl.audit", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument(
+        "--config", default="", help="YAML run config (default with --checkpoint: RUN/config.yaml)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="",
+        help="start from a run's checkpoint: its run_dir (latest) or RUN/checkpoints/<step>",
+    )
     parser.add_argument("--out", required=True, help="output folder (audit.json, audit.md)")
     parser.add_argument(
         "--recipes",
         default="",
         help="comma-separated recipe/grad pairs, e.g. bf16/-,fp8_block/e4m3 (default: all)",
+    )
+    parser.add_argument(
+        "--updates",
+        default=",".join(map(str, UPDATES)),
+        help="comma-separated optimizer-update counts of the rows (default: %(default)s)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides: section.key=value")
     args = parser.parse_args(argv)
@@ -318,9 +417,23 @@ def main(argv: list[str] | None = None) -> int:
     from jfp8rl.data import DataError
 
     try:
+        updates = tuple(sorted({int(u) for u in args.updates.split(",")}))
+        if not updates or updates[0] < 0:
+            raise ValueError(args.updates)
+    except ValueError:
+        print(f"error: --updates {args.updates!r}: need comma-separated ints >= 0, e.g. 0,1,2,4",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        config = args.config
+        if not config:
+            if not args.checkpoint:
+                raise ConfigError("pass --config configs/<name>.yaml (or --checkpoint RUN_DIR)")
+            config = str(checkpoint_step(args.checkpoint)[0] / "config.yaml")
         run_audit(
-            args.config, args.overrides, args.out, recipes, log=lambda m: print(m, file=sys.stderr)
-        )
+            config, args.overrides, args.out, recipes, log=lambda m: print(m, file=sys.stderr),
+            checkpoint=args.checkpoint or None, updates=updates,
+        )  # fmt: skip
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -337,6 +337,10 @@ class MeshConfig:
 class TrainConfig:
     # FP8 recipe of the trainer's forward/backward (models.fp8.get_recipe names).
     recipe: str = "fp8_block"
+    # Format of the output gradient, the operand the backward GEMMs (dgrad and wgrad) quantize,
+    # of an FP8 train.recipe: "e4m3" (as the forward) or "e5m2" (wider range, 2 mantissa bits:
+    # the usual FP8 training choice for gradients). The BF16 recipe has no FP8 gradient.
+    grad_format: str = "e4m3"
     steps: int = 60
     ppo_epochs: int = 1
     # Mini-batches per PPO epoch (each one optimizer update); must divide the sample count.
@@ -359,6 +363,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_choice("train", "recipe", self.recipe, RECIPES)
+        _check_choice("train", "grad_format", self.grad_format, ("e4m3", "e5m2"))
+        if self.recipe == "bf16" and self.grad_format != "e4m3":
+            raise ConfigError(
+                f"train.grad_format={self.grad_format} needs an FP8 train.recipe (bf16 has no FP8 "
+                "gradient); set train.recipe=fp8_tensor|fp8_row|fp8_block or train.grad_format=e4m3"
+            )
         _check_positive("train", "steps", self.steps)
         _check_positive("train", "ppo_epochs", self.ppo_epochs)
         _check_positive("train", "mini_batches", self.mini_batches)

@@ -211,7 +211,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         algo, train_recipe=cfg.train.recipe, calibrated=a.clip == "calibrated",
         calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
         tis_cap=a.tis_cap, group_size=cfg.rollout.n,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size, grad_format=cfg.train.grad_format,
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

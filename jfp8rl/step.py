@@ -432,10 +432,12 @@ def default_settings(
     tis_cap: float,
     group_size: int,
     micro_batch_size: int = 0,
+    grad_format: str = "e4m3",
 ) -> StepSettings:
-    """`StepSettings` from config names (recipes by name, BF16 as the shadow)."""
+    """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
+    (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
     return StepSettings(
-        train_recipe=get_recipe(train_recipe),
+        train_recipe=get_recipe(train_recipe, bwd_format=grad_format),
         shadow_recipe=get_recipe("bf16"),
         algo=algo,
         calibrated=calibrated,

@@ -63,14 +63,22 @@ TINY_ARITH = ModelConfig(
     compute_dtype=jnp.float32,
 )
 
+# The FP8 study's larger policy (issue 12, configs/study_scratchpad_25m.yaml): the same family
+# at d = 512 (four 128-wide FP8 blocks per row), 6 layers: 23.7M parameters.
+STUDY_25M = dataclasses.replace(
+    TINY_ARITH, hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8,
+    num_kv_heads=4, head_dim=64,
+)  # fmt: skip
+LOCAL_PRESETS = {"tiny_arith": TINY_ARITH, "study_25m": STUDY_25M}
+
 
 def model_config(preset: str) -> ModelConfig:
-    """`tiny_arith` (above) or any `models.config.PRESETS` entry."""
-    if preset == "tiny_arith":
-        return TINY_ARITH
+    """`tiny_arith`, `study_25m` (above) or any `models.config.PRESETS` entry."""
+    if preset in LOCAL_PRESETS:
+        return LOCAL_PRESETS[preset]
     if preset not in PRESETS:
         raise ValueError(
-            f"model.preset={preset!r} unknown; use tiny_arith or one of {sorted(PRESETS)}"
+            f"model.preset={preset!r} unknown; use one of {sorted(LOCAL_PRESETS)} or {sorted(PRESETS)}"
         )
     return PRESETS[preset]
 
