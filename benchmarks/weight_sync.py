@@ -9,10 +9,12 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
               once tmpfs pages are allocated, which a push of the same model also reuses)
   export      `export_weights` from the trainer's params (`iter_hf_state` in the push's fetch
               dtype: layer slice, transpose and bf16 rounding on device; then write
-              safetensors + sha256 + manifest) per format
-  load        `HttpBackend.push_export`: pause -> start -> update (server reads, verifies sha256,
-              loads) -> finish -> resume -> /weight_info
-  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load
+              safetensors + blake3 + manifest) per format
+  load        `HttpBackend.push_export` of a written export: pause -> start -> update (the
+              server maps the file, verifies each tensor's blake3 in place, loads) -> finish
+              -> resume -> /weight_info
+  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load,
+              with pause and start sent while the export is written
 
 Median of `--repeats` runs; GB/s are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
@@ -132,17 +134,19 @@ def peak_rss_growth(fn) -> int:
     return peak[0]
 
 
-_PLUGIN_LINE = re.compile(r"jfp8rl_shm: (v\d+) read\+verified in ([\d.]+) s, loaded in ([\d.]+) s")
+_PLUGIN_LINE = re.compile(
+    r"jfp8rl_shm: (v\d+) mapped\+verified in ([\d.]+) s, loaded in ([\d.]+) s"
+)
 
 
 def server_stage_times(log: str) -> dict[str, float]:
     """Medians over the full pushes (versions v<k>) of the plugin's own stage times, from the
-    vLLM log: reading + verifying the export, and vLLM's `load_weights`."""
+    vLLM log: mapping + verifying the export, and vLLM's `load_weights`."""
     hits = _PLUGIN_LINE.findall(log)
     if not hits:
         return {}
     return {
-        "read_verify": statistics.median(float(h[1]) for h in hits),
+        "map_verify": statistics.median(float(h[1]) for h in hits),
         "vllm_load": statistics.median(float(h[2]) for h in hits),
     }
 
@@ -239,12 +243,13 @@ def main() -> None:
     srv = pick[("bf16", "full")].get("server")
     if srv:
         export = pick[("bf16", "export")]["s"]
-        rest = full - export - srv["read_verify"] - srv["vllm_load"]
+        rest = full - export - srv["map_verify"] - srv["vllm_load"]
         print(
             f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
-            f"device, write, blake3) + server read+verify {srv['read_verify']:.3f} s + vLLM "
-            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: pause, "
-            "update, finish, resume, /weight_info; vLLM's RPC to its worker)"
+            f"device, write, blake3) + server map+verify {srv['map_verify']:.3f} s + vLLM "
+            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: update, "
+            "finish, resume, /weight_info, vLLM's RPC to its worker; pause and start are sent "
+            "during the export)"
         )
     print(
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "

@@ -10,6 +10,7 @@ through ml_dtypes without monkey-patching `safetensors.numpy`; writing uses `saf
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import struct
@@ -145,24 +146,33 @@ def _hf_tensor(x: jax.Array, layer: jax.Array | None, *, transposed: bool, dtype
 
 
 def iter_hf_state(
-    cfg: ModelConfig, params: Params, *, dtype: Any = np.float32
+    cfg: ModelConfig, params: Params, *, dtype: Any = np.float32, prefetch: int = 2
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, numpy array in HF layout) one tensor at a time, in `hf_name_map` order.
 
     Each tensor is made on the device(s) holding it (layer slice, transpose to HF layout, cast
     to `dtype`: float32, or bfloat16 for a bf16 weight push, which then fetches half the bytes)
     and only the result is fetched, so host memory holds one tensor (the caller decides what to
-    keep). The result is a fresh device buffer: on CPU `device_get` is zero-copy and the array
-    caches that numpy view, so fetching the caller's own buffer (embedding, final norm) would
-    leave it undonatable, and the trainer's next update would copy it (measured: the 0.6 GB
-    qwen3_0.6b embedding)."""
+    keep). The programs of the next `prefetch` tensors are dispatched before a tensor is
+    fetched, so the devices make them while the caller writes this one (JAX dispatches
+    asynchronously; measured on the 100M model's bf16 push, 2 cores: 0.215 -> 0.157 s); the
+    devices hold at most `prefetch` + 1 tensors beyond the params. The result is a fresh device
+    buffer: on CPU `device_get` is zero-copy and the array caches that numpy view, so fetching
+    the caller's own buffer (embedding, final norm) would leave it undonatable, and the
+    trainer's next update would copy it (measured: the 0.6 GB qwen3_0.6b embedding)."""
     pure = nnx.to_pure_dict(params)
     dtype = jnp.dtype(dtype)
+    made: collections.deque[tuple[str, jax.Array]] = collections.deque()
     for row in hf_name_map(cfg):
         x = _get(pure, row.path)
         layer = None if row.layer is None else jnp.int32(row.layer)
-        y = _hf_tensor(x, layer, transposed=row.transposed, dtype=dtype)
-        yield row.name, np.asarray(host_array(y))  # a collective across processes
+        made.append((row.name, _hf_tensor(x, layer, transposed=row.transposed, dtype=dtype)))
+        if len(made) > prefetch:
+            name, y = made.popleft()
+            yield name, np.asarray(host_array(y))  # a collective across processes
+    while made:
+        name, y = made.popleft()
+        yield name, np.asarray(host_array(y))
 
 
 def to_hf_state_dict(cfg: ModelConfig, params: Params) -> dict[str, np.ndarray]:

@@ -15,8 +15,9 @@ Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
                                           manifest (sha256, version, sizes, per-tensor blake3);
                                           only then is vLLM's layerwise reload initialised and
                                           the tensors go to `model.load_weights` (vLLM fuses
-                                          q/k/v and gate/up itself); every version is read
-                                          into the same host buffer (`ReadBuffer`)
+                                          q/k/v and gate/up itself); the tensors are
+                                          views of the mapped file (`mapped=True`),
+                                          hashed in place: no host copy of the model
   /finish_weight_update {"weight_version": str}
                                        -> layerwise reload finalised, plus the CPU fix below.
 
@@ -47,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_bridge.weight_files import ExportError, ReadBuffer, load_export
+from rollout_bridge.weight_files import ExportError, load_export
 
 ENGINE_NAME = "jfp8rl_shm"
 logger = logging.getLogger("vllm.jfp8rl_shm")
@@ -104,9 +105,6 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(*args, **kwargs)
         self._root: Path | None = None
         self._reloading = False
-        # Every version is read into the same host pages: `model.load_weights` copies each
-        # tensor into the model's own parameters before `receive_weights` returns.
-        self._buffer = ReadBuffer()
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self._root = Path(init_info.root).resolve() if init_info.root else None
@@ -128,8 +126,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             framework="pt",
             expected_version=update_info.version,
             expected_manifest_sha256=update_info.manifest_sha256,
-            buffer=self._buffer,
-        )
+            mapped=True,  # `model.load_weights` copies each tensor into the model's own
+        )  # parameters; the mapping goes when the last view does
         quantized = manifest.get("quantization_config") is not None
         served_quant = getattr(self.model_config, "quantization", None)
         if quantized and served_quant != "fp8":
@@ -146,7 +144,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         t1 = time.perf_counter()
         self.model.load_weights(list(tensors.items()))
         logger.info(
-            "jfp8rl_shm: %s read+verified in %.3f s, loaded in %.3f s",
+            "jfp8rl_shm: %s mapped+verified in %.3f s, loaded in %.3f s",
             update_info.version,
             t1 - t0,
             time.perf_counter() - t1,

@@ -34,6 +34,7 @@ import collections
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -311,27 +312,21 @@ def _read_and_hash(fd: int, view: memoryview, offset: int, hash_name: str | None
     return digest(view, hash_name) if hash_name else ""
 
 
+def _map_data(f: Any, start: int, size: int) -> memoryview:
+    """The data section (bytes `start`..`size`) of open file `f` as a private, writable mapping
+    (copy-on-write: torch.frombuffer wants a writable buffer; the file never changes). The
+    mapping lives as long as a view of it."""
+    if size == start:
+        return memoryview(b"")
+    mem = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    if os.fstat(f.fileno()).st_size < size:  # cut since the size check: reading would SIGBUS
+        raise ExportError(f"{f.name}: truncated while being loaded; export again")
+    return memoryview(mem)[start:size]
+
+
 def _uninitialized(nbytes: int) -> memoryview:
     """`nbytes` of fresh memory, not zero-filled (every byte is read over by `load_export`)."""
     return memoryview(np.empty(nbytes, np.uint8)).cast("B")
-
-
-class ReadBuffer:
-    """Host memory for `load_export` to read into, reused from one load to the next.
-
-    A fresh buffer per push costs a page fault (and the kernel zeroing a page) per 4 KiB,
-    which on this project's CPU machines takes longer than the read itself; a server keeps one
-    of these and reads every version into the same pages. It grows when a larger file comes.
-    Not thread-safe: one load at a time per buffer."""
-
-    def __init__(self) -> None:
-        self._mem = memoryview(b"")
-
-    def take(self, nbytes: int) -> memoryview:
-        """The first `nbytes` of the buffer (the previous load's arrays are overwritten)."""
-        if self._mem.nbytes < nbytes:
-            self._mem = _uninitialized(nbytes)
-        return self._mem[:nbytes]
 
 
 def sha256_file(path: Path) -> str:
@@ -516,7 +511,7 @@ def load_export(
     framework: Literal["np", "pt"] = "np",
     expected_version: str | None = None,
     expected_manifest_sha256: str | None = None,
-    buffer: ReadBuffer | None = None,
+    mapped: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Reads one version folder: ({HF name: array}, manifest).
 
@@ -527,10 +522,17 @@ def load_export(
       - with `verify`, each tensor's digest (the manifest's `hash`) equals the manifest's.
 
     `framework="np"` returns numpy arrays (bf16/fp8 as ml_dtypes); `"pt"` torch tensors (the
-    vLLM side). Arrays are views of one buffer per file; copy before mutating. With `buffer`
-    (a `ReadBuffer` the caller keeps across loads, e.g. a server that copies every tensor into
-    its own weights right away) that buffer is reused: the arrays are then valid only until the
-    next load into it, and no memory is allocated for the read after the first push.
+    vLLM side). Arrays are views of one buffer per file; copy before mutating.
+
+    `mapped` (the vLLM plugin): the arrays are views of a private mapping of the file, i.e. of
+    the page cache (on /dev/shm the very pages the trainer wrote), hashed in place: no read
+    pass and no host buffer the size of the model (16 GB at 8B in bf16). Measured on the 100M
+    model's bf16 export, 2 cores: read + verify 0.117 s, mapped + verify 0.087 s. What is
+    verified is the file as it is during the load; a published version folder is never
+    rewritten (a write recycles only versions older than the newest, `_recycle_or_mkdir`), so
+    that is what the server loads. The check guards against corrupt, truncated, stale and
+    half-written exports; a process rewriting a published file while a server loads it is not
+    detected in this mode (without `mapped` the bytes verified are a private copy).
     """
     export_dir = Path(export_dir)
     if expected_manifest_sha256 is not None:
@@ -586,21 +588,29 @@ def load_export(
             if hi - lo != n_elem * _ST_ITEMSIZE[info["dtype"]]:
                 raise ExportError(f"{path}: tensor {name!r} has {hi - lo} bytes, wrong size")
             spans[name] = (lo, hi)
-        # One private buffer per file (not a mapping of it: the bytes verified are the bytes
-        # used even if the file changes afterwards), filled and hashed by worker threads.
-        mem = buffer.take(size - start) if buffer is not None else _uninitialized(size - start)
+        # A private buffer per file, filled and hashed by worker threads, or (`mapped`) a
+        # private mapping of it, hashed in place.
         with open(path, "rb") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
-            digests = {
-                name: pool.submit(
-                    _read_and_hash,
-                    f.fileno(),
-                    mem[lo:hi],
-                    start + lo,
-                    hash_name if verify else None,
-                )
-                for name, (lo, hi) in spans.items()
-            }
-            digests = {name: fut.result() for name, fut in digests.items()}
+            if mapped:
+                mem = _map_data(f, start, size)
+                futs = {
+                    name: pool.submit(digest, mem[lo:hi], hash_name) if verify else None
+                    for name, (lo, hi) in spans.items()
+                }
+                digests = {n: fut.result() if fut else "" for n, fut in futs.items()}
+            else:
+                mem = _uninitialized(size - start)
+                futs = {
+                    name: pool.submit(
+                        _read_and_hash,
+                        f.fileno(),
+                        mem[lo:hi],
+                        start + lo,
+                        hash_name if verify else None,
+                    )
+                    for name, (lo, hi) in spans.items()
+                }
+                digests = {name: fut.result() for name, fut in futs.items()}
         for name in names:
             info, (lo, hi) = manifest["tensors"][name], spans[name]
             if digests[name] is None:

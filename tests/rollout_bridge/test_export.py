@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -18,12 +20,12 @@ import pytest
 from safetensors import safe_open
 
 from models import fp8
+from rollout_bridge import weight_files
 from rollout_bridge.export import export_weights, is_fp8_linear, to_rollout_format
 from rollout_bridge.weight_files import (
     MANIFEST,
     TENSOR_FILE,
     ExportError,
-    ReadBuffer,
     cleanup_exports,
     list_exports,
     load_export,
@@ -204,10 +206,13 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("hash_name", ["blake3", "sha256"])
 def test_tampered_truncated_and_mismatched_exports_are_refused(
-    tmp_path: Path, hash_name: str
+    tmp_path: Path, hash_name: str, mapped: bool
 ) -> None:
+    """Read into memory, or mapped (the vLLM plugin's path): the same refusals."""
+    load_export = functools.partial(weight_files.load_export, mapped=mapped)
     st = _state()
     d = write_export(tmp_path, "v1", st, fmt="fp32", hash_name=hash_name)
     good_manifest_sha = sha256_file(d / MANIFEST)
@@ -285,22 +290,21 @@ def test_a_write_recycles_the_oldest_versions_file_and_never_the_newest(tmp_path
     assert load_export(e0)[1]["version"] == "a" and (e0 / TENSOR_FILE).stat().st_ino == ino
 
 
-def test_read_buffer_is_reused_across_loads(tmp_path: Path) -> None:
-    """`load_export(buffer=...)` reads each version into the same memory (the vLLM plugin's
-    path): each load returns its own version's values; the previous load's arrays are views
-    of the same pages, overwritten (documented)."""
-    st = _state()
-    buf = ReadBuffer()
-    a, _ = load_export(export_weights(st, "a", fmt="fp32", root=tmp_path), buffer=buf)
-    a_norm = a["model.norm.weight"].copy()
-    b, _ = load_export(
-        export_weights({n: w * 3 for n, w in st.items()}, "b", fmt="fp32", root=tmp_path),
-        buffer=buf,
-    )
+def test_mapped_load_views_the_file_and_equals_the_read(tmp_path: Path) -> None:
+    """`load_export(mapped=True)` (the vLLM plugin's path) returns the same values as a read,
+    as views of a mapping of the tensor file (no copy)."""
+    st = {**_state(), "model.empty": np.zeros((0, 3), np.float32)}
+    d = export_weights(st, "a", fmt="fp32", root=tmp_path)
+    read, _ = load_export(d)
+    mapped, manifest = load_export(d, mapped=True)
+    assert manifest["version"] == "a" and set(mapped) == set(st)
     for name, w in st.items():
-        np.testing.assert_array_equal(b[name], w * 3)
-    np.testing.assert_array_equal(a_norm, st["model.norm.weight"])
-    np.testing.assert_array_equal(a["model.norm.weight"], st["model.norm.weight"] * 3)
+        np.testing.assert_array_equal(mapped[name], w)
+        np.testing.assert_array_equal(read[name], w)
+    base = mapped["model.norm.weight"]
+    while not isinstance(base, memoryview):
+        base = base.base
+    assert isinstance(base.obj, mmap.mmap)
 
 
 def test_format_version_1_manifest_still_loads_and_verifies(tmp_path: Path) -> None:
