@@ -13,8 +13,7 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
   load        `HttpBackend.push_export` of a written export: pause -> start -> update (the
               server maps the file, verifies each tensor's blake3 in place, loads) -> finish
               -> resume -> /weight_info
-  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load,
-              with pause and start sent while the export is written
+  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load
 
 Median of `--repeats` runs; GB/s are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
@@ -247,9 +246,8 @@ def main() -> None:
         print(
             f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
             f"device, write, blake3) + server map+verify {srv['map_verify']:.3f} s + vLLM "
-            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: update, "
-            "finish, resume, /weight_info, vLLM's RPC to its worker; pause and start are sent "
-            "during the export)"
+            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: pause, "
+            "start, update, finish, resume, /weight_info; vLLM's RPC to its worker)"
         )
     print(
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "

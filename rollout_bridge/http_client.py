@@ -36,8 +36,7 @@ reads `weight_version` (str, or null before any push; reported as "").
   the key str(prompt[i][t]) (other keys = alternatives, ignored). Entry 0 is reported as 0.0.
   The sampled token of a score request is ignored.
 
-Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM); steps 1-3
-(`begin_update`) run on a thread while the trainer writes the export, 4-7 (`end_update`) after:
+Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
   1. `POST /pause?mode=wait` (no body)
   2. once per client: `POST /init_weight_transfer_engine` {"init_info": {"root": <export root>}}
   3. `POST /start_weight_update` {}
@@ -47,8 +46,7 @@ Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM); steps 1-3
      expected_version=version, expected_manifest_sha256=...)`, which verifies sizes and
      per-tensor digests (blake3) and raises `ExportError` on any mismatch; the route must then answer a
      non-2xx status (vLLM: 500) and keep serving the old weights and version.
-  5. `POST /finish_weight_update` {"weight_version": <str>}  (sets the served version; when
-     the export failed after 1-3: step 4 is skipped and this sends null, nothing changes)
+  5. `POST /finish_weight_update` {"weight_version": <str>}  (sets the served version)
   6. `POST /resume` (no body; always sent once step 1 succeeded, also after a failure)
   7. `GET /weight_info` -> `weight_version` must equal the pushed version.
   Answers to 1-6 are ignored except for their HTTP status.
@@ -71,8 +69,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -396,24 +393,24 @@ class HttpBackend(RolloutBackend):
         return out
 
     def push_weights(self, hf_state: HFTensors, version: str) -> None:
-        """export (while the server pauses and opens the update) -> update -> finish ->
-        resume -> /weight_info (`push_exported`)."""
-
-        def export() -> Path:
-            return export_weights(
-                hf_state, version, fmt=self.export_format, root=self.export_root,
-                keep=self.keep_versions,
-            )  # fmt: skip
-
-        push_exported([self], export, version, on_error=_reraise)
+        """export -> pause -> (init) -> start -> update -> finish -> resume -> /weight_info."""
+        path = export_weights(
+            hf_state,
+            version,
+            fmt=self.export_format,
+            root=self.export_root,
+            keep=self.keep_versions,
+        )
+        self.push_export(path, version)
 
     def push_export(self, path: str | Path, version: str) -> None:
         """Installs an already exported version folder (see `push_weights`)."""
-        push_exported([self], lambda: Path(path), version, on_error=_reraise)
-
-    def begin_update(self) -> None:
-        """pause -> (init, once per client) -> start: the server holds generation and waits
-        for `end_update`. On failure the server is resumed and the error raised."""
+        path = Path(path).resolve()
+        update_info = {
+            "path": str(path),
+            "version": version,
+            "manifest_sha256": sha256_file(path / MANIFEST),
+        }
         self._request("POST", "/pause?mode=wait", idempotent=True)
         try:
             if not self._transfer_initialized:
@@ -421,51 +418,25 @@ class HttpBackend(RolloutBackend):
                 self._request("POST", "/init_weight_transfer_engine", {"init_info": {"root": root}})
                 self._transfer_initialized = True
             self._request("POST", "/start_weight_update", {}, idempotent=False)
-        except BaseException as e:
-            self._resume_after(e)
-            raise
-
-    def end_update(self, path: str | Path | None, version: str) -> None:
-        """update `path` -> finish (served version := `version`) -> resume -> /weight_info
-        must report `version`. `path` None (the export failed): the update session is closed
-        with no update and no new version, and the server resumed on its old weights."""
-        try:
-            if path is not None:
-                path = Path(path).resolve()
-                update_info = {
-                    "path": str(path),
-                    "version": version,
-                    "manifest_sha256": sha256_file(path / MANIFEST),
-                }
-                self._request(
-                    "POST", "/update_weights", {"update_info": update_info}, idempotent=False
-                )
+            self._request("POST", "/update_weights", {"update_info": update_info}, idempotent=False)
             self._request(
-                "POST",
-                "/finish_weight_update",
-                {"weight_version": version if path is not None else None},
-                idempotent=False,
+                "POST", "/finish_weight_update", {"weight_version": version}, idempotent=False
             )
         except BaseException as e:
-            self._resume_after(e)
+            # Resume even after a failed update; if that fails too (the server died), the
+            # update's error is the one to report, with the resume failure noted.
+            try:
+                self._request("POST", "/resume")
+            except RolloutError as resume_err:
+                e.add_note(f"and /resume failed too: {resume_err}")
             raise
         self._request("POST", "/resume")
-        if path is None:
-            return
         served = self.weight_version()
         if served != version:
             raise RolloutError(
                 f"{self.url}/weight_info reports {served!r} after pushing {version!r}; the update "
                 "did not take effect, check the server log"
             )
-
-    def _resume_after(self, e: BaseException) -> None:
-        """Resumes generation after a failed update step; if that fails too (the server died),
-        the step's error `e` stays the one to report, with the resume failure noted on it."""
-        try:
-            self._request("POST", "/resume")
-        except RolloutError as resume_err:
-            e.add_note(f"and /resume failed too: {resume_err}")
 
     def weight_version(self) -> str:
         info = self._request("GET", "/weight_info")
@@ -485,50 +456,3 @@ class HttpBackend(RolloutBackend):
         self._closed = True
         if self._owns_root:
             shutil.rmtree(self.export_root, ignore_errors=True)
-
-
-def _reraise(server: HttpBackend, e: BaseException) -> None:
-    raise e
-
-
-def push_exported(
-    servers: Sequence[HttpBackend],
-    export: Callable[[], Path],
-    version: str,
-    *,
-    on_error: Callable[[HttpBackend, BaseException], None],
-) -> None:
-    """Installs the version folder `export()` makes on every server in `servers`.
-
-    Each server's `begin_update` (pause, start: ~30 ms of HTTP and vLLM's 20 ms pause sleep)
-    runs on a thread of its own while this thread runs `export` (the trainer's fetch and
-    write), then every server's `end_update` runs in parallel. A server whose step raises goes
-    to `on_error(server, error)`, which re-raises (one client) or drops it (`ServerPool`); it
-    gets no further step. If `export` raises, every server that began is closed unchanged
-    (`end_update(None)`: finish with no update, resume) and the export's error is raised."""
-    with ThreadPoolExecutor(max(1, len(servers)), thread_name_prefix="weight-push") as pool:
-        begun = {s: pool.submit(s.begin_update) for s in servers}
-        try:
-            path = export()
-        except BaseException as e:
-            for server, fut in begun.items():
-                if fut.exception() is None:  # waits for its begin to end
-                    try:
-                        server.end_update(None, version)
-                    except RolloutError as close_err:
-                        e.add_note(f"and closing the update on {server.url} failed: {close_err}")
-            raise
-        ready = []
-        for server, fut in begun.items():
-            if fut.exception() is not None:
-                on_error(server, fut.exception())
-            else:
-                ready.append(server)
-
-        def end(server: HttpBackend) -> None:
-            try:
-                server.end_update(path, version)
-            except BaseException as e:
-                on_error(server, e)
-
-        list(pool.map(end, ready))

@@ -12,9 +12,9 @@ server answering the whole batch, however the batch was split (vLLM's samples de
 seed alone). Results are put back in prompt order.
 
 push_weights: the weights are exported once (`rollout_bridge.export`, into `export_root`, which
-every server must be able to read) while every live server pauses and opens its update, then
-installed on all of them in parallel (`http_client.push_exported`: update -> finish -> resume,
-then `/weight_info` must report the version on each).
+every server must be able to read), then installed on every live server in parallel
+(`HttpBackend.push_export`: pause -> update -> resume, then `/weight_info` must report the
+version on each).
 
 Failures: a server whose request fails (`RolloutError`: connection refused, timeout after the
 client's retries, a malformed answer, a weight version other than the one pushed; any other
@@ -44,7 +44,7 @@ from rollout_bridge.backend import (
     SamplingParams,
 )
 from rollout_bridge.export import ExportFormat, export_weights
-from rollout_bridge.http_client import HttpBackend, push_exported
+from rollout_bridge.http_client import HttpBackend
 from rollout_bridge.weight_files import default_root
 
 log = logging.getLogger(__name__)
@@ -240,33 +240,29 @@ class ServerPool(RolloutBackend):
         return [x for chunk in self._spread(len(sequences), call, "score") for x in chunk]
 
     def push_weights(self, hf_state: HFTensors, version: str) -> None:
-        """One export, made while every live server pauses and opens its update, then
-        installed on all of them in parallel; each one's /weight_info must then report
-        `version` (`http_client.push_exported`)."""
+        """One export, installed on every live server in parallel; each one's /weight_info
+        must then report `version` (`HttpBackend.push_export`)."""
         self._check_open()
-        self._push(
-            lambda: export_weights(
-                hf_state, version, fmt=self.export_format, root=self.export_root,
-                keep=self.keep_versions,
-            ),
-            version,
+        path = export_weights(
+            hf_state, version, fmt=self.export_format, root=self.export_root,
+            keep=self.keep_versions,
         )  # fmt: skip
+        self.push_export(path, version)
 
     def push_export(self, path: str | Path, version: str) -> None:
         """Installs an exported version folder on every live server (in parallel)."""
-        self._push(lambda: Path(path), version)
-
-    def _push(self, export: Callable[[], Path], version: str) -> None:
         servers = self._alive()
         if not servers:
             raise self._none_left(f"push {version}")
 
-        def drop(server: HttpBackend, e: BaseException) -> None:
-            if not isinstance(e, RolloutError):
-                raise e
-            self._drop(server, e)
+        def push(server: HttpBackend) -> None:
+            try:
+                server.push_export(path, version)
+            except RolloutError as e:
+                self._drop(server, e)
 
-        push_exported(servers, export, version, on_error=drop)
+        with ThreadPoolExecutor(len(servers), thread_name_prefix="rollout-push") as ex:
+            list(ex.map(push, servers))
         if not self._alive():
             raise self._none_left(f"push {version}")
         self._version = version
