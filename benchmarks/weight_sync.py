@@ -15,7 +15,8 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
               -> resume -> /weight_info
   full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load
 
-Median of `--repeats` runs; GB/s are over the float32 state's bytes. Formats pushed: fp32,
+Median of `--repeats` runs (the pushes `PUSH_GAP_S` apart, as a training step apart); GB/s
+are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
 
 The last line is the issue-13 figure, with Y = push time / copy time as the issue defines it:
@@ -100,9 +101,17 @@ def plain_copy_s(state: dict[str, np.ndarray], root: Path, *, reuse: bool = Fals
     return dt
 
 
-def median_time(fn, repeats: int) -> float:
+# Seconds between timed pushes: vLLM's CPU worker busy-polls a core for 1 s after every request
+# it serves (`shm_broadcast.SpinCondition`), which back-to-back pushes would time as part of
+# the next export; in a run, pushes are a training step apart.
+PUSH_GAP_S = 1.5
+
+
+def median_time(fn, repeats: int, gap_s: float = 0.0) -> float:
+    """Median seconds of `repeats` calls of `fn`, each after `gap_s` seconds of idle."""
     times = []
     for _ in range(repeats):
+        time.sleep(gap_s)
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
@@ -193,10 +202,14 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
                 row(
                     fmt,
                     "load",
-                    median_time(lambda c=client, p=path: c.push_export(p, "pushed"), repeats),
+                    median_time(
+                        lambda c=client, p=path: c.push_export(p, "pushed"), repeats, PUSH_GAP_S
+                    ),
                 )
                 full_s = median_time(
-                    lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f), repeats
+                    lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f),
+                    repeats,
+                    PUSH_GAP_S,
                 )
                 row(fmt, "full", full_s)
                 grow = peak_rss_growth(
