@@ -31,6 +31,7 @@ numpy API has no bfloat16/float8 arrays; files load unchanged with `safetensors.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import itertools
 import json
@@ -166,14 +167,20 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+@functools.cache
+def _blake3() -> Any:
+    """The blake3 module, or None where the package is missing (imported once)."""
+    try:
+        import blake3
+    except ImportError:
+        return None
+    return blake3
+
+
 def default_hash() -> str:
     """The tensor digest `write_export` records: blake3 when the blake3 package imports (a
     dependency of this project and of vLLM), else sha256 (hashlib)."""
-    try:
-        import blake3  # noqa: F401
-    except ImportError:
-        return "sha256"
-    return "blake3"
+    return "blake3" if _blake3() is not None else "sha256"
 
 
 def digest(view: memoryview, hash_name: str) -> str:
@@ -181,15 +188,13 @@ def digest(view: memoryview, hash_name: str) -> str:
     if hash_name == "sha256":
         return hashlib.sha256(view).hexdigest()
     if hash_name == "blake3":
-        try:
-            import blake3
-        except ImportError:
+        if _blake3() is None:
             raise ExportError(
                 "this export's tensors are hashed with blake3 but the blake3 package is not "
                 "installed here: pip install blake3 (vLLM ships it), or export with "
                 "hash_name='sha256'"
-            ) from None
-        return blake3.blake3(view, max_threads=1).hexdigest()
+            )
+        return _blake3().blake3(view, max_threads=1).hexdigest()
     raise ExportError(f"unknown tensor hash {hash_name!r}; this reader knows {HASHES}")
 
 
@@ -203,7 +208,7 @@ def write_safetensors(
     tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
     metadata: Mapping[str, str] | None = None,
     *,
-    hash_name: str = "sha256",
+    hash_name: str,
 ) -> dict[str, dict[str, Any]]:
     """Writes `tensors` to `path` in safetensors format; returns {name: {dtype, shape,
     <hash_name>}} (the digest of the tensor's raw little-endian bytes), in file order.
