@@ -5,16 +5,20 @@
     python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0]
         Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
-    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/runs]
+    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/arms]
         Copies each finished run's metrics.jsonl, config.yaml, summary.json (no checkpoints).
-    python scripts/study_fp8.py table [--root runs/study]
+        (Not `docs/study/runs`: the repository's `.gitignore` pattern `runs/` matches it.)
+    python scripts/study_fp8.py table [--root runs/study] [--arms a,b] [--seeds 0,1]
         The final table per arm (mean and spread over seeds: final and best greedy eval
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
-        time) from each run's metrics.jsonl, in markdown.
+        time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
+        runs (matched seeds for a side-by-side comparison).
 
 Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
-calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`). Token TIS (C = 2) in all; the
-rollout engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
+calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`); FP8 tensor plain and hold
+again with E5M2 output gradients (`<arm>_e5m2`: `train.grad_format=e5m2`, the backward GEMMs'
+gradient operand; the E4M3 arms keep the default). Token TIS (C = 2) in all; the rollout
+engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ for _recipe in ("fp8_tensor", "fp8_block"):
             f"rollout.recipe={_recipe}",
             *_sets,
         ]
+# E5M2 gradients (the issue's stress list): the per-tensor arms, plain and hold.
+for _clip in ("plain", "hold"):
+    ARMS[f"fp8_tensor_{_clip}_e5m2"] = [*ARMS[f"fp8_tensor_{_clip}"], "train.grad_format=e5m2"]
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
 
 
@@ -169,14 +176,17 @@ MECHANISM = (
 )
 
 
-def table(root: str) -> str:
+def table(root: str, arms: list[str] | None = None, seeds: list[str] | None = None) -> str:
     """Markdown: one row per arm, mean (+- spread = half the range over seeds when > 1 seed);
-    the outcome table, then the mechanism table."""
+    the outcome table, then the mechanism table. `arms` / `seeds`: keep only those runs."""
     groups: dict[str, list[Path]] = {}
     for p in sorted(Path(root).iterdir()):
         if (p / "metrics.jsonl").is_file():  # `<arm>_s<seed>`, or any other run folder alone
             arm, _, seed = p.name.rpartition("_s")
-            groups.setdefault(arm if arm and seed.isdigit() else p.name, []).append(p)
+            arm = arm if arm and seed.isdigit() else p.name
+            if (arms and arm not in arms) or (seeds and seed not in seeds):
+                continue
+            groups.setdefault(arm, []).append(p)
     order = [a for a in ARMS if a in groups] + [a for a in groups if a not in ARMS]
     summaries = {}
     for arm in order:
@@ -229,15 +239,18 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--jobs", type=int, default=3)
     t = sub.add_parser("table")
     t.add_argument("--root", default=ROOT)
+    t.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
+    t.add_argument("--seeds", default="", help="comma-separated seeds to keep (default: all)")
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
-    c.add_argument("--dest", default="docs/study/runs")
+    c.add_argument("--dest", default="docs/study/arms")
     args = parser.parse_args(argv)
     if args.cmd == "collect":
         collect(args.root, args.dest)
         return 0
     if args.cmd == "table":
-        print(table(args.root), end="")
+        keep = [x for x in args.arms.split(",") if x] or None
+        print(table(args.root, keep, [x for x in args.seeds.split(",") if x] or None), end="")
         return 0
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
