@@ -13,6 +13,10 @@
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
         time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
         runs (matched seeds for a side-by-side comparison).
+    python scripts/study_fp8.py audit-diff DIR_A DIR_B
+        Two `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and an RL
+        checkpoint), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
+        FP8-minus-BF16-shadow differences of the clip shares (also in tokens) and balances.
 
 Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
 calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`); FP8 tensor plain and hold
@@ -212,6 +216,45 @@ def table(root: str, arms: list[str] | None = None, seeds: list[str] | None = No
     return "\n".join(out)
 
 
+# (column header, function of one audit row, format): the FP8 effect on one batch.
+AUDIT_DIFF = (
+    ("noise floor", lambda r: r["noise_floor"], "{:.2e}"),
+    ("std log r", lambda r: r["std_log_r"], "{:.3f}"),
+    ("std (log r - log r16)", lambda r: r["std_log_r_fp8_minus_bf16"], "{:.3f}"),
+    ("N<1-eps BF16", lambda r: r["clip_neg_lower_bf16"], "{:.4f}"),
+    ("N<1-eps FP8 - BF16 (tokens)",
+     lambda r: (r["clip_neg_lower_fp8"] - r["clip_neg_lower_bf16"]) * r["n_neg"], "{:+.0f}"),
+    ("P>1+eps FP8 - BF16 (tokens)",
+     lambda r: (r["clip_pos_upper_fp8"] - r["clip_pos_upper_bf16"]) * r["n_pos"], "{:+.0f}"),
+    ("balance FP8 - BF16", lambda r: r["balance_fp8"] - r["balance_bf16"], "{:+.4f}"),
+    ("L", lambda r: r["L"], "{:.3f}"),
+    ("H", lambda r: r["H"], "{:.3f}"),
+    ("|N|", lambda r: r["n_neg"], "{:.0f}"),
+)  # fmt: skip
+
+
+def audit_diff(dir_a: str, dir_b: str) -> str:
+    """Markdown: the rows (recipe, grad, updates) present in both audits, each cell `A / B`."""
+
+    def load(d: str) -> dict[tuple, dict]:
+        rows = json.loads((Path(d) / "audit.json").read_text())
+        return {(r["recipe"], r["grad_format"], r["updates"]): r for r in rows}
+
+    a, b = load(dir_a), load(dir_b)
+    lines = [
+        f"A = {dir_a}, B = {dir_b}; each cell A / B",
+        "",
+        "| recipe | grad | updates | " + " | ".join(h for h, _, _ in AUDIT_DIFF) + " |",
+        "|" + "---|" * (len(AUDIT_DIFF) + 3),
+    ]
+    for key in [k for k in a if k in b]:
+        cells = [
+            f"{fmt.format(fn(a[key]))} / {fmt.format(fn(b[key]))}" for _, fn, fmt in AUDIT_DIFF
+        ]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def collect(root: str, dest: str) -> None:
     """The small files of every finished run (summary.json) under `root`, to `dest/<run>/`."""
     import shutil
@@ -244,7 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
     c.add_argument("--dest", default="docs/study/arms")
+    d = sub.add_parser("audit-diff")
+    d.add_argument(
+        "dirs", nargs=2, metavar="DIR", help="two `python -m jfp8rl.audit --out` folders"
+    )
     args = parser.parse_args(argv)
+    if args.cmd == "audit-diff":
+        print(audit_diff(*args.dirs), end="")
+        return 0
     if args.cmd == "collect":
         collect(args.root, args.dest)
         return 0
