@@ -2,8 +2,8 @@
 
     python scripts/study_fp8.py commands [--seeds 0,1]
         One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
-    python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0]
-        Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
+    python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0] [--nice 10]
+        Runs the arms' commands (at `nice -n NICE`), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
     python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/arms]
         Copies each finished run's metrics.jsonl, config.yaml, summary.json (no checkpoints).
@@ -69,8 +69,9 @@ def command(arm: str, seed: int, root: str = ROOT) -> list[str]:
     ]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, int]], parallel: int, root: str) -> None:
-    """Runs the commands, `parallel` at a time, nice -n 10, each logging to its own file."""
+def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 10) -> None:
+    """Runs the commands, `parallel` at a time, at `nice -n nice`, each logging to its own
+    file."""
     pending, live = list(jobs), []
     t0 = time.time()
     while pending or live:
@@ -80,7 +81,7 @@ def run_all(jobs: list[tuple[str, int]], parallel: int, root: str) -> None:
                 continue
             log = Path(root) / f"{arm}_s{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = ["nice", "-n", "10", sys.executable, *command(arm, seed, root)[1:]]
+            cmd = ["nice", "-n", str(nice), sys.executable, *command(arm, seed, root)[1:]]
             print(
                 f"[study] start {arm} s{seed}: {shlex.join(command(arm, seed, root))}", flush=True
             )
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--root", default=ROOT)
         if name == "run":
             p.add_argument("--jobs", type=int, default=3)
+            p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
     t = sub.add_parser("table")
     t.add_argument("--root", default=ROOT)
     t.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, seed in jobs:
             print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root))}")
         return 0
-    run_all(jobs, args.jobs, args.root)
+    run_all(jobs, args.jobs, args.root, args.nice)
     return 0
 
 
