@@ -13,9 +13,9 @@
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
         time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
         runs (matched seeds for a side-by-side comparison).
-    python scripts/study_fp8.py audit-diff DIR_A DIR_B
-        Two `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and an RL
-        checkpoint), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
+    python scripts/study_fp8.py audit-diff DIR_A DIR_B [DIR_C ...]
+        `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and RL
+        checkpoints), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
         FP8-minus-BF16-shadow differences of the clip shares (also in tokens) and balances.
 
 Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
@@ -223,6 +223,9 @@ AUDIT_DIFF = (
     ("std log r", lambda r: r["std_log_r"], "{:.3f}"),
     ("std (log r - log r16)", lambda r: r["std_log_r_fp8_minus_bf16"], "{:.3f}"),
     ("N<1-eps BF16", lambda r: r["clip_neg_lower_bf16"], "{:.4f}"),
+    ("N<1-eps FP8 / BF16",
+     lambda r: r["clip_neg_lower_fp8"] / r["clip_neg_lower_bf16"]
+     if r["clip_neg_lower_bf16"] > 0 else float("nan"), "{:.2f}"),
     ("N<1-eps FP8 - BF16 (tokens)",
      lambda r: (r["clip_neg_lower_fp8"] - r["clip_neg_lower_bf16"]) * r["n_neg"], "{:+.0f}"),
     ("P>1+eps FP8 - BF16 (tokens)",
@@ -234,24 +237,27 @@ AUDIT_DIFF = (
 )  # fmt: skip
 
 
-def audit_diff(dir_a: str, dir_b: str) -> str:
-    """Markdown: the rows (recipe, grad, updates) present in both audits, each cell `A / B`."""
+def _cell(fmt: str, v: float) -> str:
+    return "-" if np.isnan(v) else fmt.format(v)
+
+
+def audit_diff(dirs: list[str]) -> str:
+    """Markdown: the rows (recipe, grad, updates) present in every audit of `dirs`, each cell
+    the values in the order of `dirs`, separated by ` / `."""
 
     def load(d: str) -> dict[tuple, dict]:
         rows = json.loads((Path(d) / "audit.json").read_text())
         return {(r["recipe"], r["grad_format"], r["updates"]): r for r in rows}
 
-    a, b = load(dir_a), load(dir_b)
+    audits = [load(d) for d in dirs]
     lines = [
-        f"A = {dir_a}, B = {dir_b}; each cell A / B",
+        "each cell: " + " / ".join(dirs),
         "",
         "| recipe | grad | updates | " + " | ".join(h for h, _, _ in AUDIT_DIFF) + " |",
         "|" + "---|" * (len(AUDIT_DIFF) + 3),
     ]
-    for key in [k for k in a if k in b]:
-        cells = [
-            f"{fmt.format(fn(a[key]))} / {fmt.format(fn(b[key]))}" for _, fn, fmt in AUDIT_DIFF
-        ]
+    for key in [k for k in audits[0] if all(k in a for a in audits)]:
+        cells = [" / ".join(_cell(fmt, fn(a[key])) for a in audits) for _, fn, fmt in AUDIT_DIFF]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -290,12 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--root", default=ROOT)
     c.add_argument("--dest", default="docs/study/arms")
     d = sub.add_parser("audit-diff")
-    d.add_argument(
-        "dirs", nargs=2, metavar="DIR", help="two `python -m jfp8rl.audit --out` folders"
-    )
+    d.add_argument("dirs", nargs="+", metavar="DIR", help="`python -m jfp8rl.audit --out` folders")
     args = parser.parse_args(argv)
     if args.cmd == "audit-diff":
-        print(audit_diff(*args.dirs), end="")
+        print(audit_diff(args.dirs), end="")
         return 0
     if args.cmd == "collect":
         collect(args.root, args.dest)
