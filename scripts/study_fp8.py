@@ -2,19 +2,27 @@
 
     python scripts/study_fp8.py commands [--seeds 0,1]
         One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
-    python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0]
-        Runs the arms' commands (nice -n 10), `--jobs` at a time, logging each to
+    python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0] [--nice 10]
+        Runs the arms' commands (at `nice -n NICE`), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
-    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/runs]
+    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/arms]
         Copies each finished run's metrics.jsonl, config.yaml, summary.json (no checkpoints).
-    python scripts/study_fp8.py table [--root runs/study]
+        (Not `docs/study/runs`: the repository's `.gitignore` pattern `runs/` matches it.)
+    python scripts/study_fp8.py table [--root runs/study] [--arms a,b] [--seeds 0,1]
         The final table per arm (mean and spread over seeds: final and best greedy eval
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
-        time) from each run's metrics.jsonl, in markdown.
+        time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
+        runs (matched seeds for a side-by-side comparison).
+    python scripts/study_fp8.py audit-diff DIR_A DIR_B [DIR_C ...]
+        `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and RL
+        checkpoints), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
+        FP8-minus-BF16-shadow differences of the clip shares (also in tokens) and balances.
 
 Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
-calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`). Token TIS (C = 2) in all; the
-rollout engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
+calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`); FP8 tensor plain and hold
+again with E5M2 output gradients (`<arm>_e5m2`: `train.grad_format=e5m2`, the backward GEMMs'
+gradient operand; the E4M3 arms keep the default). Token TIS (C = 2) in all; the rollout
+engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ for _recipe in ("fp8_tensor", "fp8_block"):
             f"rollout.recipe={_recipe}",
             *_sets,
         ]
+# E5M2 gradients (the issue's stress list): the per-tensor arms, plain and hold.
+for _clip in ("plain", "hold"):
+    ARMS[f"fp8_tensor_{_clip}_e5m2"] = [*ARMS[f"fp8_tensor_{_clip}"], "train.grad_format=e5m2"]
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
 
 
@@ -58,8 +69,9 @@ def command(arm: str, seed: int, root: str = ROOT) -> list[str]:
     ]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, int]], parallel: int, root: str) -> None:
-    """Runs the commands, `parallel` at a time, nice -n 10, each logging to its own file."""
+def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 10) -> None:
+    """Runs the commands, `parallel` at a time, at `nice -n nice`, each logging to its own
+    file."""
     pending, live = list(jobs), []
     t0 = time.time()
     while pending or live:
@@ -69,7 +81,7 @@ def run_all(jobs: list[tuple[str, int]], parallel: int, root: str) -> None:
                 continue
             log = Path(root) / f"{arm}_s{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = ["nice", "-n", "10", sys.executable, *command(arm, seed, root)[1:]]
+            cmd = ["nice", "-n", str(nice), sys.executable, *command(arm, seed, root)[1:]]
             print(
                 f"[study] start {arm} s{seed}: {shlex.join(command(arm, seed, root))}", flush=True
             )
@@ -169,14 +181,17 @@ MECHANISM = (
 )
 
 
-def table(root: str) -> str:
+def table(root: str, arms: list[str] | None = None, seeds: list[str] | None = None) -> str:
     """Markdown: one row per arm, mean (+- spread = half the range over seeds when > 1 seed);
-    the outcome table, then the mechanism table."""
+    the outcome table, then the mechanism table. `arms` / `seeds`: keep only those runs."""
     groups: dict[str, list[Path]] = {}
     for p in sorted(Path(root).iterdir()):
         if (p / "metrics.jsonl").is_file():  # `<arm>_s<seed>`, or any other run folder alone
             arm, _, seed = p.name.rpartition("_s")
-            groups.setdefault(arm if arm and seed.isdigit() else p.name, []).append(p)
+            arm = arm if arm and seed.isdigit() else p.name
+            if (arms and arm not in arms) or (seeds and seed not in seeds):
+                continue
+            groups.setdefault(arm, []).append(p)
     order = [a for a in ARMS if a in groups] + [a for a in groups if a not in ARMS]
     summaries = {}
     for arm in order:
@@ -200,6 +215,51 @@ def table(root: str) -> str:
             lines.append(f"| {arm} | {','.join(seeds)} | " + " | ".join(cells) + " |")
         out.append("\n".join(lines) + "\n")
     return "\n".join(out)
+
+
+# (column header, function of one audit row, format): the FP8 effect on one batch.
+AUDIT_DIFF = (
+    ("noise floor", lambda r: r["noise_floor"], "{:.2e}"),
+    ("std log r", lambda r: r["std_log_r"], "{:.3f}"),
+    ("std (log r - log r16)", lambda r: r["std_log_r_fp8_minus_bf16"], "{:.3f}"),
+    ("N<1-eps BF16", lambda r: r["clip_neg_lower_bf16"], "{:.4f}"),
+    ("N<1-eps FP8 / BF16",
+     lambda r: r["clip_neg_lower_fp8"] / r["clip_neg_lower_bf16"]
+     if r["clip_neg_lower_bf16"] > 0 else float("nan"), "{:.2f}"),
+    ("N<1-eps FP8 - BF16 (tokens)",
+     lambda r: (r["clip_neg_lower_fp8"] - r["clip_neg_lower_bf16"]) * r["n_neg"], "{:+.0f}"),
+    ("P>1+eps FP8 - BF16 (tokens)",
+     lambda r: (r["clip_pos_upper_fp8"] - r["clip_pos_upper_bf16"]) * r["n_pos"], "{:+.0f}"),
+    ("balance FP8 - BF16", lambda r: r["balance_fp8"] - r["balance_bf16"], "{:+.4f}"),
+    ("L", lambda r: r["L"], "{:.3f}"),
+    ("H", lambda r: r["H"], "{:.3f}"),
+    ("|N|", lambda r: r["n_neg"], "{:.0f}"),
+)  # fmt: skip
+
+
+def _cell(fmt: str, v: float) -> str:
+    return "-" if np.isnan(v) else fmt.format(v)
+
+
+def audit_diff(dirs: list[str]) -> str:
+    """Markdown: the rows (recipe, grad, updates) present in every audit of `dirs`, each cell
+    the values in the order of `dirs`, separated by ` / `."""
+
+    def load(d: str) -> dict[tuple, dict]:
+        rows = json.loads((Path(d) / "audit.json").read_text())
+        return {(r["recipe"], r["grad_format"], r["updates"]): r for r in rows}
+
+    audits = [load(d) for d in dirs]
+    lines = [
+        "each cell: " + " / ".join(dirs),
+        "",
+        "| recipe | grad | updates | " + " | ".join(h for h, _, _ in AUDIT_DIFF) + " |",
+        "|" + "---|" * (len(AUDIT_DIFF) + 3),
+    ]
+    for key in [k for k in audits[0] if all(k in a for a in audits)]:
+        cells = [" / ".join(_cell(fmt, fn(a[key])) for a in audits) for _, fn, fmt in AUDIT_DIFF]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def collect(root: str, dest: str) -> None:
@@ -227,17 +287,26 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--root", default=ROOT)
         if name == "run":
             p.add_argument("--jobs", type=int, default=3)
+            p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
     t = sub.add_parser("table")
     t.add_argument("--root", default=ROOT)
+    t.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
+    t.add_argument("--seeds", default="", help="comma-separated seeds to keep (default: all)")
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
-    c.add_argument("--dest", default="docs/study/runs")
+    c.add_argument("--dest", default="docs/study/arms")
+    d = sub.add_parser("audit-diff")
+    d.add_argument("dirs", nargs="+", metavar="DIR", help="`python -m jfp8rl.audit --out` folders")
     args = parser.parse_args(argv)
+    if args.cmd == "audit-diff":
+        print(audit_diff(args.dirs), end="")
+        return 0
     if args.cmd == "collect":
         collect(args.root, args.dest)
         return 0
     if args.cmd == "table":
-        print(table(args.root), end="")
+        keep = [x for x in args.arms.split(",") if x] or None
+        print(table(args.root, keep, [x for x in args.seeds.split(",") if x] or None), end="")
         return 0
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -249,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm, seed in jobs:
             print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root))}")
         return 0
-    run_all(jobs, args.jobs, args.root)
+    run_all(jobs, args.jobs, args.root, args.nice)
     return 0
 
 
