@@ -183,19 +183,25 @@ def default_hash() -> str:
     return "blake3" if _blake3() is not None else "sha256"
 
 
+def _known_hash(hash_name: str, fix: str, *, where: str = "") -> str:
+    """`hash_name` if it is one of `HASHES`, else an `ExportError` saying what to do (`fix`)."""
+    if hash_name not in HASHES:
+        raise ExportError(f"{where}unknown tensor hash {hash_name!r} (known: {HASHES}); {fix}")
+    return hash_name
+
+
 def digest(view: memoryview, hash_name: str) -> str:
     """Hex digest of `view` with `hash_name` (one of `HASHES`; both release the GIL)."""
-    if hash_name == "sha256":
+    if _known_hash(hash_name, "use one of them") == "sha256":
         return hashlib.sha256(view).hexdigest()
-    if hash_name == "blake3":
-        if _blake3() is None:
-            raise ExportError(
-                "this export's tensors are hashed with blake3 but the blake3 package is not "
-                "installed here: pip install blake3 (vLLM ships it), or export with "
-                "hash_name='sha256'"
-            )
-        return _blake3().blake3(view, max_threads=1).hexdigest()
-    raise ExportError(f"unknown tensor hash {hash_name!r}; this reader knows {HASHES}")
+    blake3 = _blake3()
+    if blake3 is None:
+        raise ExportError(
+            "this export's tensors are hashed with blake3 but the blake3 package is not "
+            "installed here: pip install blake3 (vLLM ships it), or export with "
+            "hash_name='sha256'"
+        )
+    return blake3.blake3(view, max_threads=1).hexdigest()
 
 
 def _write_and_hash(fd: int, view: memoryview, offset: int, hash_name: str) -> str:
@@ -305,10 +311,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int, int]:
     return header, start, size
 
 
-def _read_and_hash(fd: int, view: memoryview, offset: int, hash_name: str | None) -> str | None:
-    """Fills `view` from the file at `offset` (short read: None), then its digest ("" when
-    `hash_name` is None: not verifying)."""
-    done = 0
+def _read_and_hash(
+    fd: int | None, view: memoryview, offset: int, hash_name: str | None
+) -> str | None:
+    """Fills `view` from the file at `offset` (short read: None; `fd` None: `view` is a mapping
+    of the file, already its bytes), then its digest ("" when `hash_name` is None: not
+    verifying)."""
+    done = view.nbytes if fd is None else 0
     while done < view.nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
@@ -361,9 +370,7 @@ def write_export(
     tmp = root / f"{PARTIAL_PREFIX}{version}-{os.getpid()}-{next(_partial_counter)}"
     _recycle_or_mkdir(root, tmp, keep=keep, final=final)
     try:
-        hash_name = hash_name or default_hash()
-        if hash_name not in HASHES:
-            raise ExportError(f"unknown tensor hash {hash_name!r}; choose one of {HASHES}")
+        hash_name = _known_hash(hash_name or default_hash(), "choose one of them")
         infos = write_safetensors(tmp / TENSOR_FILE, tensors, {"format": "pt"}, hash_name=hash_name)
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -548,12 +555,11 @@ def load_export(
                 "the export was replaced or tampered with after the push started"
             )
     manifest = read_manifest(export_dir)
-    hash_name = manifest.get("hash", "sha256")  # format_version 1: sha256
-    if hash_name not in HASHES:
-        raise ExportError(
-            f"{export_dir / MANIFEST}: unknown tensor hash {hash_name!r} (this reader knows "
-            f"{HASHES}); export with the same jfp8rl version as the server"
-        )
+    hash_name = _known_hash(
+        manifest.get("hash", "sha256"),  # format_version 1: sha256
+        "export with the same jfp8rl version as the server",
+        where=f"{export_dir / MANIFEST}: ",
+    )
     if expected_version is not None and manifest["version"] != expected_version:
         raise ExportError(
             f"{export_dir / MANIFEST}: holds version {manifest['version']!r}, expected "
@@ -596,26 +602,15 @@ def load_export(
         # A private buffer per file, filled and hashed by worker threads, or (`mapped`) a
         # private mapping of it, hashed in place.
         with open(path, "rb") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
-            if mapped:
-                mem = _map_data(f, start, size)
-                futs = {
-                    name: pool.submit(digest, mem[lo:hi], hash_name) if verify else None
-                    for name, (lo, hi) in spans.items()
-                }
-                digests = {n: fut.result() if fut else "" for n, fut in futs.items()}
-            else:
-                mem = _uninitialized(size - start)
-                futs = {
-                    name: pool.submit(
-                        _read_and_hash,
-                        f.fileno(),
-                        mem[lo:hi],
-                        start + lo,
-                        hash_name if verify else None,
-                    )
-                    for name, (lo, hi) in spans.items()
-                }
-                digests = {name: fut.result() for name, fut in futs.items()}
+            mem = _map_data(f, start, size) if mapped else _uninitialized(size - start)
+            fd = None if mapped else f.fileno()
+            futs = {
+                name: pool.submit(
+                    _read_and_hash, fd, mem[lo:hi], start + lo, hash_name if verify else None
+                )
+                for name, (lo, hi) in spans.items()
+            }
+            digests = {name: fut.result() for name, fut in futs.items()}
         for name in names:
             info, (lo, hi) = manifest["tensors"][name], spans[name]
             if digests[name] is None:
