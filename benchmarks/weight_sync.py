@@ -13,13 +13,18 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
   load        `HttpBackend.push_export` of a written export: pause -> start -> update (the
               server maps the file, verifies each tensor's blake3 in place, loads) -> finish
               -> resume -> /weight_info
-  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load
+  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load,
+              each push right after a `copy` of its own (copy, gap, push, gap, ...): the
+              `copy_paired` row, timed beside the pushes with the server up, so that the ratio
+              compares the two under the same machine state (on this shared machine the copy
+              alone moved 0.18-0.25 s between runs)
 
 Median of `--repeats` runs (the pushes `PUSH_GAP_S` apart, as a training step apart); GB/s
 are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
 
-The last line is the issue-13 figure, with Y = push time / copy time as the issue defines it:
+The last line is the issue-13 figure, with Y = push time / copy time as the issue defines it
+(both medians of the paired bf16 measurement):
 
     weight_sync: 100m bf16 full push X.XX s = Y.YYx raw copy
 
@@ -118,6 +123,20 @@ def median_time(fn, repeats: int, gap_s: float = 0.0) -> float:
     return statistics.median(times)
 
 
+def paired_medians(copy_fn, push_fn, repeats: int, gap_s: float) -> tuple[float, float]:
+    """Medians of `copy_fn()` (which returns its own seconds) and of `push_fn`'s seconds, timed
+    alternately, each after `gap_s` seconds of idle."""
+    copies, pushes = [], []
+    for _ in range(repeats):
+        time.sleep(gap_s)
+        copies.append(copy_fn())
+        time.sleep(gap_s)
+        t = time.perf_counter()
+        push_fn()
+        pushes.append(time.perf_counter() - t)
+    return statistics.median(copies), statistics.median(pushes)
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -206,11 +225,13 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
                         lambda c=client, p=path: c.push_export(p, "pushed"), repeats, PUSH_GAP_S
                     ),
                 )
-                full_s = median_time(
+                paired_copy_s, full_s = paired_medians(
+                    lambda: plain_copy_s(new_state, root),
                     lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f),
                     repeats,
                     PUSH_GAP_S,
                 )
+                row(fmt, "copy_paired", paired_copy_s)
                 row(fmt, "full", full_s)
                 grow = peak_rss_growth(
                     lambda c=client, f=fmt: push_params(c, cfg, params, "rss", f)
@@ -251,7 +272,7 @@ def main() -> None:
     shutil.rmtree(default_root(), ignore_errors=True)
     model = "100m" if any(r["model"] == "100m" for r in rows) else rows[-1]["model"]
     pick = {(r["fmt"], r["step"]): r for r in rows if r["model"] == model}
-    full, copy = pick[("bf16", "full")]["s"], pick[("-", "copy")]["s"]
+    full, copy = pick[("bf16", "full")]["s"], pick[("bf16", "copy_paired")]["s"]
     srv = pick[("bf16", "full")].get("server")
     if srv:
         export = pick[("bf16", "export")]["s"]
@@ -260,7 +281,8 @@ def main() -> None:
             f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
             f"device, write, blake3) + server map+verify {srv['map_verify']:.3f} s + vLLM "
             f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: pause, "
-            "start, update, finish, resume, /weight_info; vLLM's RPC to its worker)"
+            "start, update, finish, resume, /weight_info; vLLM's RPC to its worker); the "
+            f"copy timed beside these pushes {copy:.3f} s"
         )
     print(
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "

@@ -8,6 +8,9 @@ with vLLM's logprobs to 1e-4 (measured ~1e-6). The last test kills the server.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 import signal
 import subprocess
 import threading
@@ -170,6 +173,15 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     assert max_diff(after, before) > 100 * TOL  # the old weights are gone (tied LM head too)
     comps = c.generate(seqs[:1], SamplingParams(max_tokens=4, seed=0))
     assert comps[0].weight_version == "step-1"
+    # The plugin verified on every core the engine may use (this test's set, which the engine
+    # inherits), not only on the one core vLLM's CPU backend pins its worker's thread to.
+    line = re.search(
+        r"jfp8rl_shm: step-1 .* \(verified on cores (\[.*?\]), worker on (\[.*?\])\)",
+        served.server.log_tail(1 << 20),
+    )
+    assert line is not None
+    assert json.loads(line[1]) == sorted(os.sched_getaffinity(0))
+    assert set(json.loads(line[2])) <= set(json.loads(line[1]))
     # Two more pushes the way the trainer makes them (`push_params`: from the params): the
     # plugin reads both into the buffer it read step-1 into, and the third export overwrites
     # the oldest version's file; each time the server computes with exactly the pushed weights.
