@@ -123,9 +123,9 @@ def median_time(fn, repeats: int, gap_s: float = 0.0) -> float:
     return statistics.median(times)
 
 
-def paired_medians(copy_fn, push_fn, repeats: int, gap_s: float) -> tuple[float, float]:
-    """Medians of `copy_fn()` (which returns its own seconds) and of `push_fn`'s seconds, timed
-    alternately, each after `gap_s` seconds of idle."""
+def paired_times(copy_fn, push_fn, repeats: int, gap_s: float) -> tuple[list[float], list[float]]:
+    """Seconds of `copy_fn()` (which returns its own) and of `push_fn`, timed alternately,
+    each after `gap_s` seconds of idle: ([copy], [push]), one pair per repeat."""
     copies, pushes = [], []
     for _ in range(repeats):
         time.sleep(gap_s)
@@ -134,7 +134,7 @@ def paired_medians(copy_fn, push_fn, repeats: int, gap_s: float) -> tuple[float,
         t = time.perf_counter()
         push_fn()
         pushes.append(time.perf_counter() - t)
-    return statistics.median(copies), statistics.median(pushes)
+    return copies, pushes
 
 
 def rss_bytes() -> int:
@@ -225,14 +225,15 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
                         lambda c=client, p=path: c.push_export(p, "pushed"), repeats, PUSH_GAP_S
                     ),
                 )
-                paired_copy_s, full_s = paired_medians(
+                copies, pushes = paired_times(
                     lambda: plain_copy_s(new_state, root),
                     lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f),
                     repeats,
                     PUSH_GAP_S,
                 )
-                row(fmt, "copy_paired", paired_copy_s)
-                row(fmt, "full", full_s)
+                row(fmt, "copy_paired", statistics.median(copies))
+                row(fmt, "full", statistics.median(pushes))
+                rows[-1]["pair_ratios"] = [p / c for c, p in zip(copies, pushes, strict=True)]
                 grow = peak_rss_growth(
                     lambda c=client, f=fmt: push_params(c, cfg, params, "rss", f)
                 )
@@ -288,6 +289,8 @@ def main() -> None:
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "
         f"stream one at a time; the {model} float32 state is {pick[('-', 'copy')]['state_MB']:.0f} MB)"
     )
+    ratios = " ".join(f"{x:.2f}" for x in pick[("bf16", "full")]["pair_ratios"])
+    print(f"push / copy of each pair, in order: {ratios}")
     print(f"weight_sync: {model} bf16 full push {full:.2f} s = {full / copy:.2f}x raw copy")
 
 
