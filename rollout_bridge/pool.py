@@ -212,32 +212,48 @@ class ServerPool(RolloutBackend):
 
         def call(server: HttpBackend, lo: int, hi: int) -> list[Completion]:
             comps = server.generate(prompts[lo:hi], sampling, seed_indices=keys[lo:hi])
-            want = self._version
-            got = {c.weight_version for c in comps}
-            if want is not None and got != {want}:
-                raise RolloutError(
-                    f"{server.url} sampled with weight version(s) {sorted(got)} but "
-                    f"{want!r} was pushed (restarted?)"
-                )
+            self._check_version(server, {c.weight_version for c in comps}, "sampled")
             return [dataclasses.replace(c, prompt_index=c.prompt_index + lo) for c in comps]
 
         out = [c for chunk in self._spread(len(prompts), call, "generate") for c in chunk]
-        versions = {c.weight_version for c in out}
+        self._one_version({c.weight_version for c in out})
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Chunks of sequences over the live servers, in order; each server's /weight_info is
+        read right before and after its chunk, and all must be one version (the pushed one),
+        as for `generate`."""
+        if not sequences:
+            return []
+
+        def call(server: HttpBackend, lo: int, hi: int) -> list[tuple[str, np.ndarray]]:
+            before = server.weight_version()
+            scores = server.score(sequences[lo:hi])
+            versions = {before, server.weight_version()}
+            self._check_version(server, versions, "scored")
+            return [(before, x) for x in scores]
+
+        out = [x for chunk in self._spread(len(sequences), call, "score") for x in chunk]
+        self._one_version({v for v, _ in out})
+        return [x for _, x in out]
+
+    def _check_version(self, server: HttpBackend, got: set[str], what: str) -> None:
+        """A server's chunk ran on the pushed version, one version throughout, or
+        `RolloutError` (the server is then dropped and its chunk re-sent)."""
+        want = self._version
+        if len(got) > 1 or (want is not None and got != {want}):
+            raise RolloutError(
+                f"{server.url} {what} with weight version(s) {sorted(got)} but "
+                f"{want!r} was pushed (restarted?)"
+            )
+
+    @staticmethod
+    def _one_version(versions: set[str]) -> None:
         if len(versions) > 1:  # only without a push: servers started on different weights
             raise RolloutError(
                 f"rollout pool: the servers hold different weight versions {sorted(versions)}; "
                 "push weights first"
             )
-        return out
-
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        if not sequences:
-            return []
-
-        def call(server: HttpBackend, lo: int, hi: int) -> list[np.ndarray]:
-            return server.score(sequences[lo:hi])
-
-        return [x for chunk in self._spread(len(sequences), call, "score") for x in chunk]
 
     def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """One export, installed on every live server in parallel; each one's /weight_info

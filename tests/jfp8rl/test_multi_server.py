@@ -14,7 +14,8 @@
   with a warning naming its URL and the cause, and the pool's samples equal the real server's
   alone. A push where one server hangs on /update_weights and one dies there reaches the
   others (`/weight_info`), and the pool goes on sampling the new version.
-- `score` through 2 servers equals one server's (same order); a dead server is dropped there too.
+- `score` through 2 servers equals one server's (same order); a dead server is dropped there too,
+  and so is one holding another weight version than the pushed one.
 
 Three servers start once for the module (in parallel); the tests kill them in order.
 """
@@ -354,7 +355,20 @@ def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
         scorer.close()
     msg, _ = _dropped(caplog, dead.url)
     assert f"rollout server at {dead.url} is not running (connection refused)" in msg, msg
-    one.close()
+    # A server that holds another version than the pushed one (the same weights under another
+    # label, pushed behind the pool's back) is dropped from score as from generate.
+    scorer = ServerPool(urls, export_root=tmp_path / "score_v", max_retries=0)
+    scorer.push_weights(hf, "score-v")
+    stray = HttpBackend(urls[1], export_root=tmp_path / "stray", max_retries=0)
+    stray.push_weights(hf, "stray")
+    got = scorer.score(seqs)
+    for x, y in zip(got, ref_scores, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5)
+    assert [s.url for s in scorer.live] == urls[:1]
+    msg, _ = _dropped(caplog, urls[1])
+    assert f"{urls[1]} scored with weight version(s) ['stray'] but 'score-v' was pushed" in msg
+    for backend in (scorer, stray, one):
+        backend.close()
 
 
 def test_all_servers_killed_stop_with_a_loadable_checkpoint(
