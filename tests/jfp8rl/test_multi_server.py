@@ -7,7 +7,7 @@
   survivor serves the final version.
 - All servers killed: the run stops (exit 1, the resume command) with a checkpoint that a
   resumed run on a fresh server loads and continues from.
-- Faults beside a real server (`Faulty`, a stdlib HTTP server on 127.0.0.1 that answers like a
+- Faults beside a real server (`Faulty`, a `FakeServer` on 127.0.0.1 that answers like a
   rollout server except on one route): a server hanging past `rollout.timeout_s` (after
   `rollout.max_retries` retries, counted), answering non-JSON, too few choices or fields of the
   wrong type is dropped
@@ -22,13 +22,10 @@ Three servers start once for the module (in parallel); the tests kill them in or
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import threading
 import time
-from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,89 +45,42 @@ from rollout_bridge.http_client import HttpBackend
 from rollout_bridge.pool import ServerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "rollout_bridge"))
+from fake_server import Answer, FakeServer  # noqa: E402
 from serve_proc import ServeProcess  # noqa: E402
 
 PROMPTS = [[49, 43, 50, 61], [72, 101, 108, 108, 111], [7] * 9, [51, 42, 52, 61], [65], [56] * 3]
 SAMPLING = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
 
 
-class Faulty:
-    """A rollout server on 127.0.0.1 (stdlib `http.server` in a thread) that answers /health,
-    /v1/models, /weight_info and the weight-push routes as a healthy one does, except on
-    `route`, where it shows `fault`: "hang" (no answer until `close`, past any client
-    timeout), "not_json" (a 200 whose body is not JSON), "few_choices" (one choice fewer than
-    n x prompts), "odd_types" (numbers where the choices have lists) or "die" (closes its
-    listening socket, then drops the connection unanswered, as a killed process does). `hits`
-    counts the requests per route."""
+class Faulty(FakeServer):
+    """A rollout server (`FakeServer`) that answers as a healthy one does, except on `route`,
+    where it shows `fault`: "hang" (no answer until `close`, past any client timeout),
+    "not_json" (a 200 whose body is not JSON), "few_choices" (one choice fewer than n x
+    prompts), "odd_types" (numbers where the choices have lists) or "die" (closes its listening
+    socket, then drops the connection unanswered, as a killed process does)."""
 
     def __init__(self, route: str, fault: str) -> None:
         self.route, self.fault = route, fault
-        self.hits: Counter[str] = Counter()
-        self.version = "base"
         self.release = threading.Event()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._stopped = False
-        threading.Thread(  # a short poll: `stop` returns at once
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        ).start()
+        super().__init__(model={"id": "faulty"})
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _answer(self) -> None:
-                n = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(n)) if n else None
-                route = self.path.split("?")[0]
-                fake.hits[route] += 1
-                out = fake.answer(route, body)
-                if out is None:  # hang / die: no answer on this connection
-                    self.close_connection = True
-                    return
-                raw = out if isinstance(out, bytes) else json.dumps(out).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            do_GET = do_POST = _answer
-
-        return Handler
-
-    def answer(self, route: str, body: Any) -> Any:
-        """The JSON to answer (bytes: sent as they are; None: no answer)."""
-        if route == self.route:
-            if self.fault == "hang":
-                self.release.wait(60)
-                return None
-            if self.fault == "die":
-                self.stop()
-                return None
-            if self.fault == "not_json":
-                return b"<html>502 Bad Gateway</html>"
-            if self.fault == "few_choices":
-                return {"choices": [{}] * (body["n"] * len(body["prompt"]) - 1)}
-            if self.fault == "odd_types":  # numbers where lists belong: a TypeError to parse
-                odd = {"finish_reason": "length", "token_ids": 7, "logprobs": {"token_logprobs": 7}}
-                return {"choices": [odd] * (body["n"] * len(body["prompt"]))}
-        if route == "/v1/models":
-            return {"data": [{"id": "faulty"}]}
-        if route == "/weight_info":
-            return {"weight_version": self.version}
-        if route == "/finish_weight_update":
-            self.version = body["weight_version"]
-        return {}
-
-    def stop(self) -> None:
-        if not self._stopped:
-            self._stopped = True
-            self.server.shutdown()
-            self.server.server_close()
+    def answer(self, route: str, body: Any) -> Answer:
+        if route != self.route:
+            return super().answer(route, body)
+        if self.fault == "hang":
+            self.release.wait(60)
+            return None
+        if self.fault == "die":
+            self.stop()
+            return None
+        if self.fault == "not_json":
+            return 200, b"<html>502 Bad Gateway</html>"
+        n = body["n"] * len(body["prompt"])
+        if self.fault == "few_choices":
+            return 200, {"choices": [{}] * (n - 1)}
+        assert self.fault == "odd_types", self.fault  # numbers where lists belong: a TypeError
+        odd = {"finish_reason": "length", "token_ids": 7, "logprobs": {"token_logprobs": 7}}
+        return 200, {"choices": [odd] * n}
 
     def close(self) -> None:
         self.release.set()

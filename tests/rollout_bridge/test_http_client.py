@@ -2,82 +2,48 @@
 
 The happy path runs against a real vLLM in test_http_client_vllm.py. A real server cannot be
 made to answer with an aborted request, a -9999 clamp, a NaN or a transient 503 on demand, so
-those paths use a stdlib HTTP server that replays canned vLLM-shaped JSON and records what the
-client sent.
+those paths use a stdlib HTTP server (`fake_server.FakeServer`) that replays canned vLLM-shaped
+JSON and records what the client sent.
 """
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from fake_server import Answer, FakeServer
 
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.http_client import HttpBackend
 from rollout_bridge.weight_files import load_export
 
 
-class Canned:
-    """Per-route queues of (status, body) answers and a log of (method, path, headers, body)."""
+class Canned(FakeServer):
+    """Per-route queues of (status, body) answers, each used once, before the healthy default."""
 
     def __init__(self) -> None:
         self.answers: dict[str, list[tuple[int, Any]]] = {}
-        self.log: list[tuple[str, str, dict[str, str], Any]] = []
-        self.version = "default"
+        super().__init__(version="default", model={"id": "tiny", "max_model_len": 256})
 
     def reply(self, path: str, status: int, body: Any) -> None:
         self.answers.setdefault(path, []).append((status, body))
+
+    def answer(self, route: str, body: Any) -> Answer:
+        queue = self.answers.get(route)
+        return queue.pop(0) if queue else super().answer(route, body)
 
 
 @pytest.fixture
 def canned() -> Iterator[tuple[Canned, str]]:
     state = Canned()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _answer(self) -> None:
-            n = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(n)) if n else None
-            state.log.append((self.command, self.path, dict(self.headers), body))
-            route = self.path.split("?")[0]
-            queue = state.answers.get(route)
-            if queue:
-                status, out = queue.pop(0)
-            elif route == "/v1/models":
-                status, out = 200, {"data": [{"id": "tiny", "max_model_len": 256}]}
-            elif route == "/weight_info":
-                status, out = 200, {"weight_version": state.version}
-            elif route == "/finish_weight_update":
-                state.version = body["weight_version"]
-                status, out = 200, {}
-            else:
-                status, out = 200, {}
-            raw = json.dumps(out).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        do_GET = do_POST = _answer
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
+        yield state, state.url
     finally:
-        server.shutdown()
-        server.server_close()
+        state.close()
 
 
 def _choice(index: int, ids: list[int], lps: list[float], reason: str = "length") -> dict:
