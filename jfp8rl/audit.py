@@ -25,7 +25,9 @@ stages for the rollout; `losses.calibrated` for shares, balances and bounds):
   section 5) for both;
 * Calibrated Clipping's (L, H) solved from these FP8 ratios against the BF16 reference
   (`reference_stats`, `solve_bounds`, the configured upper rule and balance), and the shares
-  and balance they give (`*_calibrated`).
+  and balance they give (`*_calibrated`); `n_neg_tied_at_cut`, how many A < 0 tokens share
+  the FP8 ratio at the lower bound's cut (`tied_at_cut`: where it is not 0 no L can leave the
+  BF16 count below it).
 
 Start state: by default the configured base policy with a fresh Adam state (updates at the
 configured lr without warm-up: the first update is a sign step). `--checkpoint RUN_DIR` (its
@@ -88,9 +90,22 @@ COLUMNS = (
     ("N<L FP8", "clip_neg_lower_calibrated", 4),
     ("P>H FP8", "clip_pos_upper_calibrated", 4),
     ("balance (L,H) FP8", "balance_calibrated", 4),
+    ("N tied at cut", "n_neg_tied_at_cut", 0),
     ("|N|", "n_neg", 0),
     ("|P|", "n_pos", 0),
 )
+
+
+def tied_at_cut(values: np.ndarray, k: int) -> int:
+    """How many of `values` (N's FP8 ratios) equal both the k-th and the (k+1)-th smallest;
+    0 when those two differ (or k is 0 or all of N). Only then can the calibrated lower bound
+    leave exactly k tokens of N below it; inside a run of equal ratios (a group's identical
+    responses share their ratios token for token) it leaves the run's start below it, up to
+    the run's size - 1 tokens fewer."""
+    s = np.sort(np.asarray(values).reshape(-1))
+    if k <= 0 or k >= s.size or s[k - 1] != s[k]:
+        return 0
+    return int(np.sum(s == s[k]))
 
 
 def ratio_stats(
@@ -110,6 +125,8 @@ def ratio_stats(
     bf16 = cal.clip_stats(lo, hi, r16, a, m)
     big_l, big_h = cal.solve_bounds(cal.reference_stats(r16, a, m, calib_cfg), r8, a, m, calib_cfg)
     calib = cal.clip_stats(big_l, big_h, r8, a, m)
+    neg = on & (np.asarray(adv) < 0)
+    k_bf16 = int(np.sum(np.asarray(r16)[neg] < lo))  # the BF16 count the lower rule aims at
     diff = (log_r.astype(np.float64) - log_r16)[on]
     out = {
         "std_log_r": float(np.std(log_r.astype(np.float64)[on])),
@@ -126,6 +143,7 @@ def ratio_stats(
         "clip_neg_lower_calibrated": calib["neg_lower"],
         "clip_pos_upper_calibrated": calib["pos_upper"],
         "balance_calibrated": calib["balance"],
+        "n_neg_tied_at_cut": tied_at_cut(np.asarray(r8)[neg], k_bf16),
         "n_neg": fp8["n_neg"],
         "n_pos": fp8["n_pos"],
     }
