@@ -241,11 +241,14 @@ class ServerPool(RolloutBackend):
         """A server's chunk ran on the pushed version, one version throughout, or
         `RolloutError` (the server is then dropped and its chunk re-sent)."""
         want = self._version
-        if len(got) > 1 or (want is not None and got != {want}):
+        if want is not None and got != {want}:
             raise RolloutError(
                 f"{server.url} {what} with weight version(s) {sorted(got)} but "
                 f"{want!r} was pushed (restarted?)"
             )
+        if len(got) > 1:
+            raise RolloutError(f"{server.url}: its weight version changed while it {what}: "
+                               f"{sorted(got)}")  # fmt: skip
 
     @staticmethod
     def _one_version(versions: set[str]) -> None:
