@@ -106,6 +106,10 @@ def plain_copy_s(state: dict[str, np.ndarray], root: Path, *, reuse: bool = Fals
     return dt
 
 
+# The vLLM server dtype each pushed format goes to (the pairing a run uses).
+SERVER_FORMATS = (("float32", ("fp32", "fp8_fp32", "fp8")), ("bfloat16", ("bf16",)))
+ALL_FORMATS = tuple(f for _, fs in SERVER_FORMATS for f in fs)
+
 # Seconds between timed pushes: vLLM's CPU worker busy-polls a core for 1 s after every request
 # it serves (`shm_broadcast.SpinCondition`), which back-to-back pushes would time as part of
 # the next export; in a run, pushes are a training step apart.
@@ -162,23 +166,28 @@ def peak_rss_growth(fn) -> int:
 
 
 _PLUGIN_LINE = re.compile(
-    r"jfp8rl_shm: (v\d+) mapped\+verified in ([\d.]+) s, loaded in ([\d.]+) s"
+    r"jfp8rl_shm: (v\d+) opened in ([\d.]+) s, verified\+loaded \(([\w ]+)\) in ([\d.]+) s"
 )
 
 
 def server_stage_times(log: str) -> dict[str, float]:
     """Medians over the full pushes (versions v<k>) of the plugin's own stage times, from the
-    vLLM log: mapping + verifying the export, and vLLM's `load_weights`."""
+    vLLM log: opening the export (manifest and header checks, mapping, hashing started), then
+    verifying + vLLM's `load_weights` (overlapped, or verified first where the plugin has no
+    rollback source), and which of the two it was."""
     hits = _PLUGIN_LINE.findall(log)
     if not hits:
         return {}
     return {
-        "map_verify": statistics.median(float(h[1]) for h in hits),
-        "vllm_load": statistics.median(float(h[2]) for h in hits),
+        "open": statistics.median(float(h[1]) for h in hits),
+        "verify_load": statistics.median(float(h[3]) for h in hits),
+        "mode": "/".join(sorted({h[2] for h in hits})),
     }
 
 
-def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
+def bench_model(
+    name: str, repeats: int, venv: Path, work: Path, formats: tuple[str, ...] = ALL_FORMATS
+) -> list[dict]:
     """Copy, export, load and full-push rows for one model; each format goes to a vLLM server
     of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one)."""
     cfg = MODELS[name]
@@ -201,11 +210,14 @@ def bench_model(name: str, repeats: int, venv: Path, work: Path) -> list[dict]:
     row("-", "copy_reuse", median_time(lambda: plain_copy_s(new_state, root, reuse=True), repeats))
     (root / "plain.bin").unlink()
     k = iter(range(10**6))
-    for dtype, formats in (("float32", ("fp32", "fp8_fp32", "fp8")), ("bfloat16", ("bf16",))):
+    for dtype, server_formats in SERVER_FORMATS:
+        formats_here = tuple(f for f in server_formats if f in formats)
+        if not formats_here:
+            continue
         t = time.perf_counter()
         with VllmServer(folder, venv=venv, dtype=dtype, startup_timeout_s=600) as server:
             print(f"[{name}] vllm ({dtype}) up in {time.perf_counter() - t:.0f} s", flush=True)
-            for fmt in formats:
+            for fmt in formats_here:
                 client = HttpBackend(server.url, export_format=fmt, export_root=root, max_retries=0)
                 export_s = median_time(
                     lambda f=fmt: export_weights(
@@ -251,12 +263,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,100m")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--formats",
+        default=",".join(ALL_FORMATS),
+        help="formats to time (bf16 alone starts only the bfloat16 server; the last line needs it)",
+    )
     args = ap.parse_args()
     venv = ensure_vllm_env()
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
-            rows += bench_model(name, args.repeats, venv, Path(work))
+            rows += bench_model(
+                name, args.repeats, venv, Path(work), tuple(args.formats.split(","))
+            )
     print(f"\nweight sync, median of {args.repeats}; GB/s over the float32 state's bytes")
     print(
         f"{'model':6} {'params':>11} {'format':9} {'step':10} {'seconds':>9} {'GB/s':>7} "
@@ -277,13 +296,13 @@ def main() -> None:
     srv = pick[("bf16", "full")].get("server")
     if srv:
         export = pick[("bf16", "export")]["s"]
-        rest = full - export - srv["map_verify"] - srv["vllm_load"]
+        rest = full - export - srv["open"] - srv["verify_load"]
         print(
             f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
-            f"device, write, blake3) + server map+verify {srv['map_verify']:.3f} s + vLLM "
-            f"load_weights {srv['vllm_load']:.3f} s + the rest {rest:.3f} s (HTTP: pause, "
-            "start, update, finish, resume, /weight_info; vLLM's RPC to its worker); the "
-            f"copy timed beside these pushes {copy:.3f} s"
+            f"device, write, blake3) + server open {srv['open']:.3f} s + blake3 verify and "
+            f"vLLM load_weights ({srv['mode']}) {srv['verify_load']:.3f} s + the rest "
+            f"{rest:.3f} s (HTTP: pause, start, update, finish, resume, /weight_info; vLLM's "
+            f"RPC to its worker); the copy timed beside these pushes {copy:.3f} s"
         )
     print(
         "host RSS +MB: the trainer process's peak resident growth during one full push (tensors "

@@ -11,20 +11,32 @@ Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
   /start_weight_update                 -> nothing yet (see below)
   /update_weights {"update_info": {"path": <version dir>, "version": str,
                                    "manifest_sha256": str | null}}
-                                       -> `load_export(path, framework="pt")` verifies the
-                                          manifest (sha256, version, sizes, per-tensor blake3);
-                                          only then is vLLM's layerwise reload initialised and
-                                          the tensors go to `model.load_weights` (vLLM fuses
-                                          q/k/v and gate/up itself); the tensors are
-                                          views of the mapped file (`mapped=True`),
-                                          hashed in place: no host copy of the model
+                                       -> `open_export(path, framework="pt", mapped=True)`
+                                          checks the manifest (sha256, version, sizes,
+                                          headers) and starts hashing every tensor (blake3)
+                                          in file order on the engine's cores; vLLM's
+                                          layerwise reload is initialised and the tensors go
+                                          to `model.load_weights` (vLLM fuses q/k/v and
+                                          gate/up itself) each as soon as its digest matched,
+                                          so verifying overlaps loading; the tensors are views
+                                          of the mapped file, hashed in place: no host copy
   /finish_weight_update {"weight_version": str}
                                        -> layerwise reload finalised, plus the CPU fix below.
 
-The reload is initialised only after verification because initialising it moves the layers'
-parameters to the meta device: a refused (tampered, truncated, wrong-version) export then
-leaves the served weights untouched and the server keeps serving the old version (vLLM ends
-the update session when `update_weights` raises; the route answers HTTP 500).
+A refused export leaves the server serving the old weights and version (vLLM ends the update
+session when `update_weights` raises; the route answers HTTP 500):
+  - a wrong manifest, version, size or header is refused before any weight is touched;
+  - a digest mismatch (a tampered or corrupt tensor) can surface only after earlier tensors
+    were loaded, so the plugin rolls back: it closes the broken reload and reloads the weights
+    of the last finished update (its export folders, verified again) or, before the first
+    one, the model's own checkpoint (vLLM's loader on `--model`). It loads tensor by tensor
+    only when that rollback source is there (`check_export_files`: manifest and sizes; the
+    trainer keeps the served version when it writes the next, `keep` >= 2); otherwise it
+    verifies the whole export first and loads after (the behaviour before rollback existed).
+    A rollback that itself fails stops the server process (exit code 70) rather than serve a
+    mix of two versions.
+Measured on the 100M bf16 export (2 cores): verify-then-load 0.036-0.08 s + 0.10-0.17 s; the
+overlap hides most of the verify (benchmarks/weight_sync.py, `server` split).
 
 CPU tied-LM-head fix (measured bug in vLLM 0.32's CPU backend): each linear keeps a packed
 private copy `layer.cpu_linear`; with tied embeddings the LM head receives no tensor of its own,
@@ -40,7 +52,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +63,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout_bridge.weight_files import ExportError, load_export
+from rollout_bridge.weight_files import ExportError, check_export_files, load_export, open_export
 
 ENGINE_NAME = "jfp8rl_shm"
+ROLLBACK_FAILED_EXIT = 70  # the process exits with this when it cannot restore its weights
 logger = logging.getLogger("vllm.jfp8rl_shm")
 
 
@@ -134,12 +147,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(*args, **kwargs)
         self._root: Path | None = None
         self._reloading = False
+        self._session: list[Path] = []  # export folders loaded in the open update session
+        self._served: list[Path] | None = None  # those of the last finished one (None: --model)
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self._root = Path(init_info.root).resolve() if init_info.root else None
 
     def start_weight_update(self) -> None:
         self._reloading = False
+        self._session = []
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         path = Path(update_info.path).resolve()
@@ -149,19 +165,46 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 "/init_weight_transfer_engine"
             )
         t0 = time.perf_counter()
-        # Generation is paused: the verifying threads may use the engine's cores, also the one
-        # vLLM's CPU backend reserves for its idle API server, rather than the one core OpenMP
-        # pinned this thread to (measured, 100M bf16 export, 2 cores: 0.073 -> 0.044 s).
-        with on_cores(engine_cores()):
-            cores = sorted(os.sched_getaffinity(0))
-            tensors, manifest = load_export(
-                path,
-                verify=True,
-                framework="pt",
-                expected_version=update_info.version,
-                expected_manifest_sha256=update_info.manifest_sha256,
-                mapped=True,  # `model.load_weights` copies each tensor into the model's own
-            )  # parameters; the mapping goes when the last view does
+        try:
+            # Generation is paused: the hashing threads may use the engine's cores, also the
+            # one vLLM's CPU backend reserves for its idle API server, rather than the one core
+            # OpenMP pinned this thread to (measured, 100M bf16 export, 2 cores: 0.073 -> 0.044
+            # s). They start inside `on_cores` and keep its set; this thread goes back to its core.
+            with on_cores(engine_cores()):
+                cores = sorted(os.sched_getaffinity(0))
+                manifest, stream = open_export(
+                    path,
+                    verify=True,
+                    framework="pt",
+                    expected_version=update_info.version,
+                    expected_manifest_sha256=update_info.manifest_sha256,
+                    mapped=True,  # `model.load_weights` copies each tensor into the model's
+                )  # own parameters; the mapping goes when the last view does
+            with contextlib.closing(stream):
+                self._check_quantization(path, manifest)
+                overlap = self._rollback_source_ok()
+                # Without a way back, every digest is checked before a weight is touched.
+                tensors: Iterable[tuple[str, Any]] = stream if overlap else list(stream)
+                t1 = time.perf_counter()
+                self._begin_reload()
+                self.model.load_weights(tensors)
+        except BaseException as e:
+            if self._reloading:  # some weights of this session are in: restore the old ones
+                self._roll_back(path, e)
+            raise
+        self._session.append(path)
+        logger.info(
+            "jfp8rl_shm: %s opened in %.3f s, verified+loaded (%s) in %.3f s "
+            "(verified on cores %s, worker on %s)",
+            update_info.version,
+            t1 - t0,
+            "overlapped" if overlap else "verified first",
+            time.perf_counter() - t1,
+            cores,
+            sorted(os.sched_getaffinity(0)),
+        )
+
+    def _check_quantization(self, path: Path, manifest: dict[str, Any]) -> None:
         quantized = manifest.get("quantization_config") is not None
         served_quant = getattr(self.model_config, "quantization", None)
         if quantized and served_quant != "fp8":
@@ -170,37 +213,76 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 f"{served_quant!r}; start vLLM on an FP8 checkpoint (quantization_config in "
                 "config.json) or export with fmt='bf16' / 'fp8_fp32'"
             )
+
+    def _begin_reload(self) -> None:
         if not self._reloading:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             initialize_layerwise_reload(self.model)
             self._reloading = True
-        t1 = time.perf_counter()
-        self.model.load_weights(list(tensors.items()))
-        logger.info(
-            "jfp8rl_shm: %s mapped+verified in %.3f s, loaded in %.3f s (verified on cores %s, worker on %s)",
-            update_info.version,
-            t1 - t0,
-            time.perf_counter() - t1,
-            cores,
-            sorted(os.sched_getaffinity(0)),
-        )
+
+    def _end_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
+        if self.device.type == "cpu":
+            repack_cpu_embeddings(self.model)
+
+    def _rollback_source_ok(self) -> bool:
+        """Whether the weights served before this session can be loaded again: the export
+        folders of the last finished update still complete (manifest, sizes; not digests), or,
+        before any, `--model` a local folder."""
+        if self._served is None:
+            return Path(self.model_config.model).is_dir()
+        try:
+            for d in self._served:
+                check_export_files(d)
+        except (ExportError, OSError, KeyError):
+            return False
+        return True
+
+    def _rollback_weights(self) -> Iterator[tuple[str, Any]]:
+        if self._served is None:
+            from vllm.model_executor.model_loader import get_model_loader
+
+            loader = get_model_loader(self.vllm_config.load_config)
+            yield from loader.get_all_weights(self.model_config, self.model)
+            return
+        for d in self._served:
+            tensors, _ = load_export(d, verify=True, framework="pt", mapped=True)
+            yield from tensors.items()
+
+    def _roll_back(self, path: Path, cause: BaseException) -> None:
+        """Closes the broken reload and loads the weights served before this session again;
+        exits the process where even that fails (it would serve a mix of two versions)."""
+        source = "the model checkpoint" if self._served is None else [str(d) for d in self._served]
+        try:
+            if self._reloading:
+                self._end_reload()  # layers not yet loaded get their old tensors back
+            self._begin_reload()
+            self.model.load_weights(self._rollback_weights())
+            self._end_reload()
+        except BaseException:
+            logger.exception(
+                "jfp8rl_shm: %s failed mid-load (%s) and restoring %s failed too: the weights "
+                "are a mix of two versions; exiting",
+                path,
+                cause,
+                source,
+            )
+            os._exit(ROLLBACK_FAILED_EXIT)
+        self._session = []
+        logger.warning("jfp8rl_shm: %s refused mid-load (%s); restored %s", path, cause, source)
 
     def finish_weight_update(self) -> None:
         if not self._reloading:
             return  # no verified update arrived: the served weights are unchanged
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         t0 = time.perf_counter()
-        finalize_layerwise_reload(self.model, self.model_config)
-        self._reloading = False
-        t1 = time.perf_counter()
-        if self.device.type == "cpu":
-            repack_cpu_embeddings(self.model)
+        self._end_reload()
+        self._served, self._session = self._session, []
         logger.info(
-            "jfp8rl_shm: finalized in %.3f s, embeddings repacked in %.3f s",
-            t1 - t0,
-            time.perf_counter() - t1,
+            "jfp8rl_shm: finalized and embeddings repacked in %.3f s", time.perf_counter() - t0
         )
 
     def shutdown(self) -> None:

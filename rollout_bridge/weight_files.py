@@ -31,6 +31,7 @@ numpy API has no bfloat16/float8 arrays; files load unchanged with `safetensors.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -41,7 +42,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -516,37 +517,10 @@ def _pt_tensor(view: memoryview, tag: str, shape: list[int]) -> Any:
     return torch.frombuffer(view, dtype=dtypes[tag]).reshape(shape)
 
 
-def load_export(
-    export_dir: str | Path,
-    *,
-    verify: bool = True,
-    framework: Literal["np", "pt"] = "np",
-    expected_version: str | None = None,
-    expected_manifest_sha256: str | None = None,
-    mapped: bool = False,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Reads one version folder: ({HF name: array}, manifest).
-
-    Checks (each failure raises `ExportError` naming the file and tensor):
-      - the manifest exists and, if given, its sha256 / version are the expected ones;
-      - the tensor file has the manifest's size (a truncated file is refused);
-      - the safetensors header lists exactly the manifest's names, dtypes and shapes;
-      - with `verify`, each tensor's digest (the manifest's `hash`) equals the manifest's.
-
-    `framework="np"` returns numpy arrays (bf16/fp8 as ml_dtypes); `"pt"` torch tensors (the
-    vLLM side). Arrays are views of one buffer per file; copy before mutating.
-
-    `mapped` (the vLLM plugin): the arrays are views of a private mapping of the file, i.e. of
-    the page cache (on /dev/shm the very pages the trainer wrote), hashed in place: no read
-    pass and no host buffer the size of the model (16 GB at 8B in bf16). Measured on the 100M
-    model's bf16 export, 2 cores: read + verify 0.117 s, mapped + verify 0.087 s. What is
-    verified is the file as it is during the load; a published version folder is never
-    rewritten (a write recycles only versions older than the newest, `_recycle_or_mkdir`), so
-    that is what the server loads. The check guards against corrupt, truncated, stale and
-    half-written exports; a process rewriting a published file while a server loads it is not
-    detected in this mode (without `mapped` the bytes verified are a private copy).
-    """
-    export_dir = Path(export_dir)
+def _checked_manifest(
+    export_dir: Path, expected_version: str | None, expected_manifest_sha256: str | None
+) -> tuple[dict[str, Any], str]:
+    """The manifest of `export_dir` and its tensor hash, after the manifest-level checks."""
     if expected_manifest_sha256 is not None:
         got = sha256_file(export_dir / MANIFEST) if (export_dir / MANIFEST).is_file() else None
         if got != expected_manifest_sha256:
@@ -565,66 +539,184 @@ def load_export(
             f"{export_dir / MANIFEST}: holds version {manifest['version']!r}, expected "
             f"{expected_version!r}"
         )
-    tensors: dict[str, Any] = {}
+    return manifest, hash_name
+
+
+def _checked_spans(
+    path: Path, names: list[str], manifest: dict[str, Any]
+) -> tuple[int, int, dict[str, tuple[int, int]]]:
+    """(data start, file size, {name: (lo, hi)}) of one tensor file, after checking its size,
+    header, names, dtypes and shapes against the manifest."""
+    if not path.is_file():
+        raise ExportError(f"{path} listed in the manifest is missing; export again")
+    want = manifest["files"][path.name]["size"]
+    if path.stat().st_size != want:
+        raise ExportError(
+            f"{path}: {path.stat().st_size} bytes, the manifest says {want}; the file is "
+            "truncated or was rewritten, export again"
+        )
+    header, start, size = read_safetensors_header(path)
+    listed = {k for k in header if k != "__metadata__"}
+    if listed != set(names):
+        raise ExportError(
+            f"{path}: tensors {sorted(listed ^ set(names))[:5]} differ between the file "
+            "and the manifest"
+        )
+    spans = {}
+    for name in names:
+        info, hinfo = manifest["tensors"][name], header[name]
+        if hinfo["dtype"] != info["dtype"] or list(hinfo["shape"]) != list(info["shape"]):
+            raise ExportError(
+                f"{path}: tensor {name!r} is {hinfo['dtype']}{hinfo['shape']} in the file "
+                f"but {info['dtype']}{info['shape']} in the manifest"
+            )
+        lo, hi = hinfo["data_offsets"]
+        n_elem = int(np.prod(info["shape"], dtype=np.int64))
+        if hi - lo != n_elem * _ST_ITEMSIZE[info["dtype"]]:
+            raise ExportError(f"{path}: tensor {name!r} has {hi - lo} bytes, wrong size")
+        spans[name] = (lo, hi)
+    return start, size, spans
+
+
+def check_export_files(export_dir: str | Path) -> dict[str, Any]:
+    """The manifest of `export_dir` after every check of `open_export` but the digests (cheap:
+    no tensor byte is read); `ExportError` otherwise. The vLLM plugin asks this of the export
+    it would roll back to before it loads a new one tensor by tensor."""
+    export_dir = Path(export_dir)
+    manifest, _ = _checked_manifest(export_dir, None, None)
+    for fname, names in _names_by_file(manifest).items():
+        _checked_spans(export_dir / fname, names, manifest)
+    return manifest
+
+
+def _names_by_file(manifest: dict[str, Any]) -> dict[str, list[str]]:
     by_file: dict[str, list[str]] = {}
     for name, info in manifest["tensors"].items():
         by_file.setdefault(info["file"], []).append(name)
-    for fname, names in by_file.items():
-        path = export_dir / fname
-        if not path.is_file():
-            raise ExportError(f"{path} listed in the manifest is missing; export again")
-        want = manifest["files"][fname]["size"]
-        if path.stat().st_size != want:
-            raise ExportError(
-                f"{path}: {path.stat().st_size} bytes, the manifest says {want}; the file is "
-                "truncated or was rewritten, export again"
-            )
-        header, start, size = read_safetensors_header(path)
-        listed = {k for k in header if k != "__metadata__"}
-        if listed != set(names):
-            raise ExportError(
-                f"{path}: tensors {sorted(listed ^ set(names))[:5]} differ between the file "
-                "and the manifest"
-            )
-        spans = {}
-        for name in names:
-            info, hinfo = manifest["tensors"][name], header[name]
-            if hinfo["dtype"] != info["dtype"] or list(hinfo["shape"]) != list(info["shape"]):
-                raise ExportError(
-                    f"{path}: tensor {name!r} is {hinfo['dtype']}{hinfo['shape']} in the file "
-                    f"but {info['dtype']}{info['shape']} in the manifest"
-                )
-            lo, hi = hinfo["data_offsets"]
-            n_elem = int(np.prod(info["shape"], dtype=np.int64))
-            if hi - lo != n_elem * _ST_ITEMSIZE[info["dtype"]]:
-                raise ExportError(f"{path}: tensor {name!r} has {hi - lo} bytes, wrong size")
-            spans[name] = (lo, hi)
-        # A private buffer per file, filled and hashed by worker threads, or (`mapped`) a
-        # private mapping of it, hashed in place.
-        with open(path, "rb") as f, ThreadPoolExecutor(_IO_THREADS) as pool:
+    return by_file
+
+
+def open_export(
+    export_dir: str | Path,
+    *,
+    verify: bool = True,
+    framework: Literal["np", "pt"] = "np",
+    expected_version: str | None = None,
+    expected_manifest_sha256: str | None = None,
+    mapped: bool = False,
+) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]]:
+    """Opens one version folder for reading: (manifest, stream of (HF name, array)).
+
+    Before it returns, every check but the digests has passed (each failure raises
+    `ExportError` naming the file and tensor):
+      - the manifest exists and, if given, its sha256 / version are the expected ones;
+      - each tensor file has the manifest's size (a truncated file is refused);
+      - the safetensors headers list exactly the manifest's names, dtypes and shapes.
+    and worker threads, started here (so they inherit the caller's CPU affinity), are reading
+    (or, `mapped`, touching) and hashing every tensor in file order. The stream then yields the
+    tensors in that order, each only once its digest equals the manifest's (with `verify`);
+    the first mismatch or short read raises `ExportError` from the stream. Close the stream
+    (`contextlib.closing`) when abandoning it early: that stops the workers.
+
+    `framework="np"` yields numpy arrays (bf16/fp8 as ml_dtypes); `"pt"` torch tensors (the
+    vLLM side). Arrays are views of one buffer per file; copy before mutating.
+
+    `mapped` (the vLLM plugin): the arrays are views of a private mapping of the file, i.e. of
+    the page cache (on /dev/shm the very pages the trainer wrote), hashed in place: no read
+    pass and no host buffer the size of the model (16 GB at 8B in bf16). Measured on the 100M
+    model's bf16 export, 2 cores: read + verify 0.117 s, mapped + verify 0.087 s. What is
+    verified is the file as it is during the load; a published version folder is never
+    rewritten (a write recycles only versions older than the newest, `_recycle_or_mkdir`), so
+    that is what the server loads. The check guards against corrupt, truncated, stale and
+    half-written exports; a process rewriting a published file while a server loads it is not
+    detected in this mode (without `mapped` the bytes verified are a private copy).
+    """
+    export_dir = Path(export_dir)
+    manifest, hash_name = _checked_manifest(export_dir, expected_version, expected_manifest_sha256)
+    files = [
+        (export_dir / fname, names, *_checked_spans(export_dir / fname, names, manifest))
+        for fname, names in _names_by_file(manifest).items()
+    ]
+    pool = ThreadPoolExecutor(_IO_THREADS)
+    opened: list[Any] = []
+    jobs: list[tuple[Path, str, memoryview, Future[str | None]]] = []
+    try:
+        for path, names, start, size, spans in files:
+            f = open(path, "rb")  # noqa: SIM115 (closed by the stream, after its readers)
+            opened.append(f)
             mem = _map_data(f, start, size) if mapped else _uninitialized(size - start)
             fd = None if mapped else f.fileno()
-            futs = {
-                name: pool.submit(
-                    _read_and_hash, fd, mem[lo:hi], start + lo, hash_name if verify else None
+            for name in names:
+                lo, hi = spans[name]
+                view = mem[lo:hi]
+                fut = pool.submit(
+                    _read_and_hash, fd, view, start + lo, hash_name if verify else None
                 )
-                for name, (lo, hi) in spans.items()
-            }
-            digests = {name: fut.result() for name, fut in futs.items()}
-        for name in names:
-            info, (lo, hi) = manifest["tensors"][name], spans[name]
-            if digests[name] is None:
-                raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
-            if verify and digests[name] != info.get(hash_name):
-                raise ExportError(
-                    f"{path}: {hash_name} of tensor {name!r} does not match the manifest; the file "
-                    "was modified after export, export again"
-                )
-            view = mem[lo:hi]
-            if framework == "pt":
-                tensors[name] = _pt_tensor(view, info["dtype"], info["shape"])
-            else:
-                tensors[name] = np.frombuffer(view, dtype=_np_dtype(info["dtype"])).reshape(
-                    info["shape"]
-                )
-    return tensors, manifest
+                jobs.append((path, name, view, fut))
+    except BaseException:
+        _stop_readers(pool, opened)
+        raise
+    stream = _verified_stream(jobs, manifest, hash_name if verify else None, framework)
+    return manifest, _closing_after(stream, pool, opened)
+
+
+def _stop_readers(pool: ThreadPoolExecutor, opened: list[Any]) -> None:
+    pool.shutdown(wait=True, cancel_futures=True)
+    for f in opened:
+        f.close()
+
+
+def _closing_after(
+    stream: Iterator[tuple[str, Any]], pool: ThreadPoolExecutor, opened: list[Any]
+) -> Iterator[tuple[str, Any]]:
+    """`stream`, then (also when closed early or failing) the readers stopped, files closed."""
+    try:
+        yield from stream
+    finally:
+        _stop_readers(pool, opened)
+
+
+def _verified_stream(
+    jobs: list[tuple[Path, str, memoryview, Future[str | None]]],
+    manifest: dict[str, Any],
+    hash_name: str | None,
+    framework: str,
+) -> Iterator[tuple[str, Any]]:
+    """Each job's tensor once its read and digest check passed, in job order."""
+    for path, name, view, fut in jobs:
+        info = manifest["tensors"][name]
+        got = fut.result()
+        if got is None:
+            raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
+        if hash_name is not None and got != info.get(hash_name):
+            raise ExportError(
+                f"{path}: {hash_name} of tensor {name!r} does not match the manifest; the file "
+                "was modified after export, export again"
+            )
+        if framework == "pt":
+            yield name, _pt_tensor(view, info["dtype"], info["shape"])
+        else:
+            yield name, np.frombuffer(view, dtype=_np_dtype(info["dtype"])).reshape(info["shape"])
+
+
+def load_export(
+    export_dir: str | Path,
+    *,
+    verify: bool = True,
+    framework: Literal["np", "pt"] = "np",
+    expected_version: str | None = None,
+    expected_manifest_sha256: str | None = None,
+    mapped: bool = False,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reads one version folder whole: ({HF name: array}, manifest), every check of
+    `open_export` passed (with `verify`, every digest) before it returns; same arguments."""
+    manifest, stream = open_export(
+        export_dir,
+        verify=verify,
+        framework=framework,
+        expected_version=expected_version,
+        expected_manifest_sha256=expected_manifest_sha256,
+        mapped=mapped,
+    )
+    with contextlib.closing(stream):
+        return dict(stream), manifest

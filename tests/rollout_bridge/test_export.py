@@ -7,6 +7,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -247,6 +248,47 @@ def test_tampered_truncated_and_mismatched_exports_are_refused(
         load_export(d)
     with pytest.raises(ExportError, match="cannot be a folder name"):
         export_weights(st, "../escape", root=tmp_path)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_open_export_streams_verified_tensors_and_stops_at_the_tampered_one(
+    tmp_path: Path, mapped: bool
+) -> None:
+    """The vLLM plugin's path: every check but the digests before `open_export` returns; the
+    stream yields tensors in file order, each equal to the written one, up to the first whose
+    digest fails; `check_export_files` reads no tensor byte (a tampered tensor passes it, a
+    truncated file does not)."""
+    st = _state()
+    d = write_export(tmp_path, "v1", st, fmt="fp32")
+    names = list(json.loads((d / MANIFEST).read_text())["tensors"])  # file order
+    assert names == list(st)
+    header, start, _ = weight_files.read_safetensors_header(d / TENSOR_FILE)
+    victim = names[3]  # a tensor in the middle: three verified ones come before it
+    lo, _hi = header[victim]["data_offsets"]
+    data = bytearray((d / TENSOR_FILE).read_bytes())
+    data[start + lo + 5] ^= 0x10
+    (d / TENSOR_FILE).write_bytes(bytes(data))
+    assert weight_files.check_export_files(d)["version"] == "v1"
+
+    manifest, stream = weight_files.open_export(d, mapped=mapped)
+    assert manifest["version"] == "v1"
+    got = []
+    with pytest.raises(ExportError, match=rf"of tensor '{re.escape(victim)}' does not match"):
+        for name, arr in stream:
+            got.append(name)
+            np.testing.assert_array_equal(arr, st[name])
+    assert got == names[:3]
+
+    # Closing a stream early is clean (its readers stop, its file closes), and a manifest
+    # check still fails before any tensor is read.
+    _, stream = weight_files.open_export(d, mapped=mapped)
+    assert next(stream)[0] == names[0]
+    stream.close()
+    with pytest.raises(ExportError, match="expected 'v2'"):
+        weight_files.open_export(d, expected_version="v2", mapped=mapped)
+    (d / TENSOR_FILE).write_bytes(bytes(data[:-10]))
+    with pytest.raises(ExportError, match="truncated"):
+        weight_files.check_export_files(d)
 
 
 def test_old_versions_are_cleaned_up_and_same_version_is_replaced(tmp_path: Path) -> None:

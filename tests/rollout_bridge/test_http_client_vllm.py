@@ -29,7 +29,7 @@ from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.export import export_weights
 from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import TENSOR_FILE
+from rollout_bridge.weight_files import TENSOR_FILE, read_safetensors_header
 
 pytestmark = pytest.mark.vllm
 
@@ -61,6 +61,20 @@ def our_logprobs(graphdef, params, seqs: Sequence[Sequence[int]]) -> list[np.nda
 
 def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def tamper(export_dir: Path, which: str) -> str:
+    """Flips one bit inside the first, middle or last tensor of an export's file; its name."""
+    header, start, _ = read_safetensors_header(export_dir / TENSOR_FILE)
+    names = sorted(
+        (n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"]
+    )
+    name = {"first": names[0], "middle": names[len(names) // 2], "last": names[-1]}[which]
+    lo, hi = header[name]["data_offsets"]
+    data = bytearray((export_dir / TENSOR_FILE).read_bytes())
+    data[start + (lo + hi) // 2] ^= 0x40
+    (export_dir / TENSOR_FILE).write_bytes(bytes(data))
+    return name
 
 
 @dataclasses.dataclass
@@ -104,6 +118,28 @@ def test_plugin_registers_without_jax(vllm_venv: Path) -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([str(vllm_venv / "bin" / "python"), "-c", code], check=True, cwd="/")
+
+
+def test_tampered_first_push_rolls_back_to_the_checkpoint(served: Served) -> None:
+    """Before any push the rollback source is the model checkpoint (`--model`): a tensor in the
+    middle of the export fails its digest after earlier ones were loaded, the plugin reloads
+    the checkpoint, and the server computes with exactly its weights again."""
+    c = served.client
+    start_version = c.weight_version()  # vLLM's label for the weights it started with
+    path = export_weights(
+        to_hf_state_dict(served.cfg, served.params1), "step-0", fmt="fp32", root=c.export_root
+    )
+    victim = tamper(path, "middle")
+    with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
+        c.push_export(path, "step-0")
+    assert c.weight_version() == start_version
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [72, 101, 108, 108, 111, EOS]]
+    assert max_diff(c.score(seqs), our_logprobs(served.graphdef, served.params0, seqs)) <= TOL
+    log = served.server.log_tail(1 << 20)
+    assert re.search(
+        rf"{re.escape(str(path.resolve()))} refused mid-load \(.*{re.escape(victim)}", log
+    )
+    assert "restored the model checkpoint" in log
 
 
 def test_generate_and_score_match_our_model(served: Served) -> None:
@@ -196,19 +232,53 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     )  # as the next test expects
 
 
-def test_tampered_export_is_refused_and_old_weights_stay(served: Served) -> None:
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+def test_tampered_export_is_refused_and_old_weights_stay(served: Served, which: str) -> None:
+    """The served version's export is there, so the plugin loads while it verifies: a tampered
+    tensor anywhere in the file is refused and the weights of step-1 are loaded back."""
     c = served.client
     path = export_weights(
         to_hf_state_dict(served.cfg, served.params0), "step-2", fmt="fp32", root=c.export_root
     )
-    data = bytearray((path / TENSOR_FILE).read_bytes())
-    data[-3] ^= 0x40
-    (path / TENSOR_FILE).write_bytes(bytes(data))
+    victim = tamper(path, which)
     with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
         c.push_export(path, "step-2")
     assert c.weight_version() == "step-1"
     seqs = [[5, 4, 3, 2, 1]]
     assert max_diff(c.score(seqs), our_logprobs(served.graphdef, served.params1, seqs)) <= TOL
+    restored = re.findall(
+        rf"{re.escape(str(path.resolve()))} refused mid-load \(.*{re.escape(victim)}.*\); restored "
+        rf"\['{re.escape(str((c.export_root / 'step-1').resolve()))}'\]",
+        served.server.log_tail(1 << 20),
+    )
+    assert restored
+
+
+def test_without_the_served_export_the_plugin_verifies_before_loading(served: Served) -> None:
+    """The served version's folder gone (no way back): the whole export is verified before a
+    weight is touched; a tampered one is refused with the old weights kept, a good one loads."""
+    import shutil
+
+    c = served.client
+    shutil.rmtree(c.export_root / "step-1")
+    path = export_weights(
+        to_hf_state_dict(served.cfg, served.params0), "step-3", fmt="fp32", root=c.export_root
+    )
+    tamper(path, "middle")
+    with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
+        c.push_export(path, "step-3")
+    assert c.weight_version() == "step-1"
+    seqs = [[5, 4, 3, 2, 1]]
+    assert max_diff(c.score(seqs), our_logprobs(served.graphdef, served.params1, seqs)) <= TOL
+    log = served.server.log_tail(1 << 20)
+    assert f"{path.resolve()} refused mid-load" not in log
+    # The served version's export is still gone, so a good push is verified first too.
+    c.push_weights(to_hf_state_dict(served.cfg, served.params0), "step-4")
+    assert max_diff(c.score(seqs), our_logprobs(served.graphdef, served.params0, seqs)) <= TOL
+    assert re.search(
+        r"jfp8rl_shm: step-4 opened in .* verified\+loaded \(verified first\)",
+        served.server.log_tail(1 << 20),
+    )
 
 
 def test_killed_server_gives_clear_error_not_a_hang(served: Served) -> None:
