@@ -14,7 +14,8 @@ Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
                                        -> `open_export(path, framework="pt", mapped=True)`
                                           checks the manifest (sha256, version, sizes,
                                           headers) and starts hashing every tensor (blake3)
-                                          in file order on the engine's cores; vLLM's
+                                          in file order on the engine's cores other than
+                                          the worker thread's (`hashing_cores`); vLLM's
                                           layerwise reload is initialised and the tensors go
                                           to `model.load_weights` (vLLM fuses q/k/v and
                                           gate/up itself) each as soon as its digest matched,
@@ -35,8 +36,9 @@ session when `update_weights` raises; the route answers HTTP 500):
     verifies the whole export first and loads after (the behaviour before rollback existed).
     A rollback that itself fails stops the server process (exit code 70) rather than serve a
     mix of two versions.
-Measured on the 100M bf16 export (2 cores): verify-then-load 0.036-0.08 s + 0.10-0.17 s; the
-overlap hides most of the verify (benchmarks/weight_sync.py, `server` split).
+Measured on the 100M bf16 export (2 cores, benchmarks/weight_sync.py's server split): map +
+verify 0.082 s then load 0.175 s (0.257 s) before; open 0.017-0.023 s + verify and load
+overlapped 0.179-0.22 s now (hashing on both cores beside the loading thread: 0.245 s).
 
 CPU tied-LM-head fix (measured bug in vLLM 0.32's CPU backend): each linear keeps a packed
 private copy `layer.cpu_linear`; with tied embeddings the LM head receives no tensor of its own,
