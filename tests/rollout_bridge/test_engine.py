@@ -305,7 +305,11 @@ def test_fp8_export_round_trip(tmp_path):
     want = np.asarray(
         _ref_token_logprobs(graphdef, params, tokens, np.ones_like(tokens), recipe=recipe)
     )
-    for fmt, atol in (("fp8_fp32", 1e-5), ("fp8", 5e-2)):
+    # fp8_fp32: float rounding, plus now and then an activation whose 1-ulp f32 difference
+    # crosses an FP8 rounding boundary (one FP8 step for that element; the audit's "rounding
+    # flips"): 3.9e-5 at one of 160 positions on an AVX2-only CPU, where XLA:CPU sums the f32
+    # dots in another order than on the AVX-512 machines this passed at 1e-5 before.
+    for fmt, atol in (("fp8_fp32", 1e-4), ("fp8", 5e-2)):
         eng = EmbeddedBackend(
             cfg, graphdef, params, eos_id=EOS, export_root=tmp_path / fmt, export_format=fmt
         )
@@ -334,13 +338,17 @@ def test_fp8_export_round_trip(tmp_path):
         np.testing.assert_allclose(np.asarray(s2), np.asarray(s), rtol=2**-23, atol=0)
     assert n_linear == 7 * cfg.num_layers
     # Compact (e4m3 + bf16) holds ~1/3 of the f32 bytes here (vocab-heavy tiny model), and it
-    # scores exactly like the f32 widening of the same tensors.
+    # scores like the f32 widening of the same tensors to the last f32 bit or so (bit-equal on
+    # the AVX-512 machines; 1 ulp, 4.8e-7, at 2 of 160 positions on an AVX2-only CPU, where
+    # XLA:CPU fuses the in-program widening into the dots differently).
     nbytes = sum(x.nbytes for x in jax.tree.leaves(served))
     assert nbytes < 0.5 * sum(x.nbytes for x in jax.tree.leaves(params))
     widened = {n: np.asarray(x, np.float32) for n, x in tensors.items()}
     dense_eng = EmbeddedBackend(cfg, graphdef, params, eos_id=EOS)
     dense_eng.params = served_params(cfg, widened, manifest["quantization_config"])
-    np.testing.assert_array_equal(np.stack(dense_eng.score(seqs)), np.stack(eng.score(seqs)))
+    np.testing.assert_allclose(
+        np.stack(dense_eng.score(seqs)), np.stack(eng.score(seqs)), rtol=4e-7, atol=0
+    )
     greedy = SamplingParams(max_tokens=4, temperature=0.0)  # prefill + decode on FP8 codes
     for a, b in zip(
         eng.generate(PROMPTS, greedy), dense_eng.generate(PROMPTS, greedy), strict=True
