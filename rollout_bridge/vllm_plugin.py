@@ -36,9 +36,10 @@ session when `update_weights` raises; the route answers HTTP 500):
     verifies the whole export first and loads after (the behaviour before rollback existed).
     A rollback that itself fails stops the server process (exit code 70) rather than serve a
     mix of two versions.
-Measured on the 100M bf16 export (2 cores, benchmarks/weight_sync.py's server split): map +
-verify 0.082 s then load 0.175 s (0.257 s) before; open 0.017-0.023 s + verify and load
-overlapped 0.179-0.22 s now (hashing on both cores beside the loading thread: 0.245 s).
+Measured on the 100M bf16 export (2 vCPUs, benchmarks/weight_sync.py's server split): map +
+verify 0.082 s then load 0.175 s (0.257 s) in one run before; open 0.017-0.022 s + verify and
+load overlapped 0.179-0.240 s in three runs now (with the hashing on every core instead of the
+spare one: 0.245 s). The gain, up to 0.06 s, is within this machine's run-to-run noise.
 
 CPU tied-LM-head fix (measured bug in vLLM 0.32's CPU backend): each linear keeps a packed
 private copy `layer.cpu_linear`; with tied embeddings the LM head receives no tensor of its own,
@@ -177,8 +178,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         try:
             # Generation is paused: the hashing threads run on the engine's other cores (the
             # one vLLM's CPU backend reserves for its idle API server) while this thread loads
-            # on the core OpenMP pinned it to (measured, 100M bf16 export, 2 cores: verify +
-            # load 0.257 s one after the other, 0.196 s overlapped this way). They start inside
+            # on the core OpenMP pinned it to (measured, 100M bf16 export, 2 vCPUs: verify +
+            # load 0.257 s one after the other, 0.196-0.262 s overlapped). They start inside
             # `on_cores` and keep its set; this thread goes back to its own core.
             with on_cores(hashing_cores()):
                 cores = sorted(os.sched_getaffinity(0))
