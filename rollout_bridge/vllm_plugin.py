@@ -265,12 +265,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             yield from tensors.items()
 
     def _roll_back(self, path: Path, cause: BaseException) -> None:
-        """Closes the broken reload and loads the weights served before this session again;
+        """Closes the broken reload (called only while one is open) and loads the weights served before this session again;
         exits the process where even that fails (it would serve a mix of two versions)."""
         source = "the model checkpoint" if self._served is None else [str(d) for d in self._served]
         try:
-            if self._reloading:
-                self._end_reload()  # layers not yet loaded get their old tensors back
+            self._end_reload()  # layers not yet loaded get their old tensors back
             self._begin_reload()
             self.model.load_weights(self._rollback_weights())
             self._end_reload()

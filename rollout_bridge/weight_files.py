@@ -584,16 +584,22 @@ def check_export_files(export_dir: str | Path) -> dict[str, Any]:
     it would roll back to before it loads a new one tensor by tensor."""
     export_dir = Path(export_dir)
     manifest, _ = _checked_manifest(export_dir, None, None)
-    for fname, names in _names_by_file(manifest).items():
-        _checked_spans(export_dir / fname, names, manifest)
+    _checked_files(export_dir, manifest)
     return manifest
 
 
-def _names_by_file(manifest: dict[str, Any]) -> dict[str, list[str]]:
+def _checked_files(
+    export_dir: Path, manifest: dict[str, Any]
+) -> list[tuple[Path, list[str], int, int, dict[str, tuple[int, int]]]]:
+    """(path, tensor names, data start, size, spans) of each tensor file, all checked
+    (`_checked_spans`) before any tensor byte is read."""
     by_file: dict[str, list[str]] = {}
     for name, info in manifest["tensors"].items():
         by_file.setdefault(info["file"], []).append(name)
-    return by_file
+    return [
+        (export_dir / fname, names, *_checked_spans(export_dir / fname, names, manifest))
+        for fname, names in by_file.items()
+    ]
 
 
 def open_export(
@@ -633,10 +639,7 @@ def open_export(
     """
     export_dir = Path(export_dir)
     manifest, hash_name = _checked_manifest(export_dir, expected_version, expected_manifest_sha256)
-    files = [
-        (export_dir / fname, names, *_checked_spans(export_dir / fname, names, manifest))
-        for fname, names in _names_by_file(manifest).items()
-    ]
+    files = _checked_files(export_dir, manifest)
     pool = ThreadPoolExecutor(_IO_THREADS)
     opened: list[Any] = []
     jobs: list[tuple[Path, str, memoryview, Future[str | None]]] = []
@@ -656,8 +659,10 @@ def open_export(
     except BaseException:
         _stop_readers(pool, opened)
         raise
-    stream = _verified_stream(jobs, manifest, hash_name if verify else None, framework)
-    return manifest, _closing_after(stream, pool, opened)
+    stream = _verified_stream(
+        jobs, manifest, hash_name if verify else None, framework, pool, opened
+    )
+    return manifest, stream
 
 
 def _stop_readers(pool: ThreadPoolExecutor, opened: list[Any]) -> None:
@@ -666,37 +671,36 @@ def _stop_readers(pool: ThreadPoolExecutor, opened: list[Any]) -> None:
         f.close()
 
 
-def _closing_after(
-    stream: Iterator[tuple[str, Any]], pool: ThreadPoolExecutor, opened: list[Any]
-) -> Iterator[tuple[str, Any]]:
-    """`stream`, then (also when closed early or failing) the readers stopped, files closed."""
-    try:
-        yield from stream
-    finally:
-        _stop_readers(pool, opened)
-
-
 def _verified_stream(
     jobs: list[tuple[Path, str, memoryview, Future[str | None]]],
     manifest: dict[str, Any],
     hash_name: str | None,
     framework: str,
+    pool: ThreadPoolExecutor,
+    opened: list[Any],
 ) -> Iterator[tuple[str, Any]]:
-    """Each job's tensor once its read and digest check passed, in job order."""
-    for path, name, view, fut in jobs:
-        info = manifest["tensors"][name]
-        got = fut.result()
-        if got is None:
-            raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
-        if hash_name is not None and got != info.get(hash_name):
-            raise ExportError(
-                f"{path}: {hash_name} of tensor {name!r} does not match the manifest; the file "
-                "was modified after export, export again"
-            )
-        if framework == "pt":
-            yield name, _pt_tensor(view, info["dtype"], info["shape"])
-        else:
-            yield name, np.frombuffer(view, dtype=_np_dtype(info["dtype"])).reshape(info["shape"])
+    """Each job's tensor once its read and digest check passed, in job order; then (also when
+    closed early or failing) the readers stopped and the files closed."""
+    try:
+        for path, name, view, fut in jobs:
+            info = manifest["tensors"][name]
+            got = fut.result()
+            if got is None:
+                raise ExportError(f"{path}: short read of tensor {name!r}; the file is truncated")
+            if hash_name is not None and got != info.get(hash_name):
+                raise ExportError(
+                    f"{path}: {hash_name} of tensor {name!r} does not match the manifest; the "
+                    "file was modified after export, export again"
+                )
+            if framework == "pt":
+                yield name, _pt_tensor(view, info["dtype"], info["shape"])
+            else:
+                yield (
+                    name,
+                    np.frombuffer(view, dtype=_np_dtype(info["dtype"])).reshape(info["shape"]),
+                )
+    finally:
+        _stop_readers(pool, opened)
 
 
 def load_export(
