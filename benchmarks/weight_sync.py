@@ -9,9 +9,9 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
               once tmpfs pages are allocated, which a push of the same model also reuses)
   export      `export_weights` from the trainer's params (`iter_hf_state` in the push's fetch
               dtype: layer slice, transpose and bf16 rounding on device; then write
-              safetensors + blake3 + manifest) per format
+              safetensors + tensor digests (xxh3_128) + manifest) per format
   load        `HttpBackend.push_export` of a written export: pause -> start -> update (the
-              server maps the file, verifies each tensor's blake3 in place, loads) -> finish
+              server maps the file, verifies each tensor's digest in place, loads) -> finish
               -> resume -> /weight_info
   full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load,
               each push right after a `copy` of its own (copy, gap, push, gap, ...): the
@@ -59,7 +59,7 @@ from models.hf_io import from_hf_state_dict, iter_hf_state, random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, save_tokenizer
 from rollout_bridge.export import export_weights, fetch_dtype
 from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import default_root
+from rollout_bridge.weight_files import default_hash, default_root
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
 from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
@@ -127,17 +127,21 @@ def median_time(fn, repeats: int, gap_s: float = 0.0) -> float:
     return statistics.median(times)
 
 
-def paired_times(copy_fn, push_fn, repeats: int, gap_s: float) -> tuple[list[float], list[float]]:
-    """Seconds of `copy_fn()` (which returns its own) and of `push_fn`, timed alternately,
-    each after `gap_s` seconds of idle: ([copy], [push]), one pair per repeat."""
-    copies, pushes = [], []
+def paired_times(
+    copy_fn, push_fns, repeats: int, gap_s: float
+) -> tuple[list[float], list[list[float]]]:
+    """Seconds of `copy_fn()` (which returns its own) and of each of `push_fns`, timed in turn,
+    each after `gap_s` seconds of idle: ([copy], [[push of fn 0], ...]), one round per repeat."""
+    copies: list[float] = []
+    pushes: list[list[float]] = [[] for _ in push_fns]
     for _ in range(repeats):
         time.sleep(gap_s)
         copies.append(copy_fn())
-        time.sleep(gap_s)
-        t = time.perf_counter()
-        push_fn()
-        pushes.append(time.perf_counter() - t)
+        for fn, times in zip(push_fns, pushes, strict=True):
+            time.sleep(gap_s)
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
     return copies, pushes
 
 
@@ -186,10 +190,17 @@ def server_stage_times(log: str) -> dict[str, float]:
 
 
 def bench_model(
-    name: str, repeats: int, venv: Path, work: Path, formats: tuple[str, ...] = ALL_FORMATS
+    name: str,
+    repeats: int,
+    venv: Path,
+    work: Path,
+    formats: tuple[str, ...] = ALL_FORMATS,
+    compare_hashes: tuple[str, ...] = (),
 ) -> list[dict]:
     """Copy, export, load and full-push rows for one model; each format goes to a vLLM server
-    of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one)."""
+    of its own dtype (bf16 into a bf16 server, the float32 formats into a float32 one).
+    `compare_hashes`: tensor digests whose full push is also timed, in the same rounds as the
+    default digest's (a `full_<hash>` row each)."""
     cfg = MODELS[name]
     state = random_hf_state_dict(cfg, 0)
     new_state = random_hf_state_dict(cfg, 1)
@@ -237,20 +248,35 @@ def bench_model(
                         lambda c=client, p=path: c.push_export(p, "pushed"), repeats, PUSH_GAP_S
                     ),
                 )
+                others = [
+                    HttpBackend(
+                        server.url, export_format=fmt, export_root=root, max_retries=0,
+                        export_hash=h,
+                    )
+                    for h in compare_hashes
+                ]  # fmt: skip
                 copies, pushes = paired_times(
                     lambda: plain_copy_s(new_state, root),
-                    lambda c=client, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f),
+                    [
+                        lambda c=c, f=fmt: push_params(c, cfg, params, f"v{next(k)}", f)
+                        for c in [client, *others]
+                    ],
                     repeats,
                     PUSH_GAP_S,
                 )
                 row(fmt, "copy_paired", statistics.median(copies))
-                row(fmt, "full", statistics.median(pushes))
-                rows[-1]["pair_ratios"] = [p / c for c, p in zip(copies, pushes, strict=True)]
+                for h, times in zip([None, *compare_hashes], pushes, strict=True):
+                    row(fmt, "full" if h is None else f"full_{h}", statistics.median(times))
+                    rows[-1]["pair_ratios"] = [p / c for c, p in zip(copies, times, strict=True)]
+                for other in others:
+                    other.close()
                 grow = peak_rss_growth(
                     lambda c=client, f=fmt: push_params(c, cfg, params, "rss", f)
                 )
-                rows[-1]["rss_MB"] = grow / 1e6
-                rows[-1]["server"] = server_stage_times(server.log_tail(1 << 20))
+                full_row = next(r for r in rows if r["fmt"] == fmt and r["step"] == "full")
+                full_row["rss_MB"] = grow / 1e6
+                # Over every push of this server (with --compare-hash, theirs too).
+                full_row["server"] = server_stage_times(server.log_tail(1 << 20))
                 client.close()
     for r in rows:
         r["state_MB"] = nbytes / 1e6
@@ -268,13 +294,24 @@ def main() -> None:
         default=",".join(ALL_FORMATS),
         help="formats to time (bf16 alone starts only the bfloat16 server; the last line needs it)",
     )
+    ap.add_argument(
+        "--compare-hash",
+        default="",
+        help="tensor digests (e.g. blake3,sha256) whose full push is timed in the same rounds "
+        f"as the default {default_hash()}'s",
+    )
     args = ap.parse_args()
     venv = ensure_vllm_env()
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name in args.models.split(","):
             rows += bench_model(
-                name, args.repeats, venv, Path(work), tuple(args.formats.split(","))
+                name,
+                args.repeats,
+                venv,
+                Path(work),
+                tuple(args.formats.split(",")),
+                tuple(h for h in args.compare_hash.split(",") if h),
             )
     print(f"\nweight sync, median of {args.repeats}; GB/s over the float32 state's bytes")
     print(
@@ -299,7 +336,8 @@ def main() -> None:
         rest = full - export - srv["open"] - srv["verify_load"]
         print(
             f"where the bf16 full push goes (medians): export {export:.3f} s (fetch from "
-            f"device, write, blake3) + server open {srv['open']:.3f} s + blake3 verify and "
+            f"device, write, {default_hash()}) + server open {srv['open']:.3f} s + "
+            f"{default_hash()} verify and "
             f"vLLM load_weights ({srv['mode']}) {srv['verify_load']:.3f} s + the rest "
             f"{rest:.3f} s (HTTP: pause, start, update, finish, resume, /weight_info; vLLM's "
             f"RPC to its worker); the copy timed beside these pushes {copy:.3f} s"
@@ -310,6 +348,13 @@ def main() -> None:
     )
     ratios = " ".join(f"{x:.2f}" for x in pick[("bf16", "full")]["pair_ratios"])
     print(f"push / copy of each pair, in order: {ratios}")
+    for (fmt, step), r in pick.items():
+        if fmt == "bf16" and step.startswith("full_"):
+            pairs = " ".join(f"{x:.2f}" for x in r["pair_ratios"])
+            print(
+                f"same rounds, {step[5:]} digests instead of {default_hash()}: full push "
+                f"{r['s']:.2f} s = {r['s'] / copy:.2f}x raw copy (pairs: {pairs})"
+            )
     print(f"weight_sync: {model} bf16 full push {full:.2f} s = {full / copy:.2f}x raw copy")
 
 

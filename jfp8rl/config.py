@@ -23,6 +23,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rollout_bridge.weight_files import HASHES
+
 ALGORITHMS = ("grpo", "dapo", "dr_grpo", "gspo")
 RECIPES = ("bf16", "fp8_tensor", "fp8_row", "fp8_block")
 DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
@@ -193,6 +195,11 @@ class RolloutConfig:
     # empty = the backend's default (http: bf16; embedded: fp8 for an FP8 block recipe, else
     # fp32; `jfp8rl.loop.push_format`). A bf16 push is rounded on the trainer's devices.
     export_format: str = ""
+    # Per-tensor digest of each export, checked by the servers before they serve it
+    # (rollout_bridge.weight_files): "xxh3_128" (fast, not cryptographic), "blake3" or
+    # "sha256" (cryptographic: for an export_root that others than this run can write);
+    # empty = xxh3_128.
+    export_hash: str = ""
     # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts,
     # at most `max_rounds` extra rounds; slots still empty are filled with dropped groups whose
     # loss mask is zero (static shapes), and counted in `rollout/filled_groups`.
@@ -215,6 +222,7 @@ class RolloutConfig:
         _check_choice(
             "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")
         )
+        _check_choice("rollout", "export_hash", self.export_hash, ("", *HASHES))
         _check_positive("rollout", "n", self.n)
         _check_positive("rollout", "max_tokens", self.max_tokens)
         _check_positive("rollout", "timeout_s", self.timeout_s)

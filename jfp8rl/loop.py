@@ -167,7 +167,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
 
     kw: dict[str, Any] = {
         "token": r.api_key or None, "timeout_s": r.timeout_s, "max_retries": r.max_retries,
-        "export_format": push_format(r),
+        "export_format": push_format(r), "export_hash": r.export_hash or None,
     }  # fmt: skip
     urls = r.server_urls()
     backend: RolloutBackend = (

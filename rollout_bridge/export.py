@@ -161,6 +161,7 @@ def export_weights(
     root: str | Path | None = None,
     keep: int = 2,
     block_size: int = FP8_BLOCK_SIZE,
+    hash_name: str | None = None,
 ) -> Path:
     """Converts `hf_state` to `fmt` and writes it as version `version` under `root`.
 
@@ -171,6 +172,8 @@ def export_weights(
       fmt: "fp32" | "bf16" | "fp8" | "fp8_fp32" (module docstring).
       root: export root; default `weight_files.default_root()` (/dev/shm/jfp8rl/run-<pid>).
       keep: how many versions to keep (older ones are deleted after the write).
+      hash_name: the per-tensor digest (`weight_files.HASHES`; default
+        `weight_files.default_hash()`, xxh3_128).
 
     Returns:
       The complete version folder; pass it to `load_export` or to a server's update route.
@@ -184,4 +187,5 @@ def export_weights(
         fmt=fmt,
         quantization_config=fp8_quantization_config(block_size) if fmt == "fp8" else None,
         keep=keep,
+        hash_name=hash_name,
     )

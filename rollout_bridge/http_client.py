@@ -44,7 +44,7 @@ Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
        "manifest_sha256": <sha256 hex of <path>/manifest.json>}}
      The server loads it with `rollout_bridge.weight_files.load_export(path,
      expected_version=version, expected_manifest_sha256=...)`, which verifies sizes and
-     per-tensor digests (blake3) and raises `ExportError` on any mismatch; the route must then answer a
+     per-tensor digests (the manifest's `hash`) and raises `ExportError` on any mismatch; the route must then answer a
      non-2xx status (vLLM: 500) and keep serving the old weights and version.
   5. `POST /finish_weight_update` {"weight_version": <str>}  (sets the served version)
   6. `POST /resume` (no body; always sent once step 1 succeeded, also after a failure)
@@ -117,6 +117,8 @@ class HttpBackend(RolloutBackend):
         `close()`); must be readable by the server: /dev/shm on the same host, a shared
         filesystem otherwise (`rollout.export_root`).
       keep_versions: exported versions kept on disk (the served one and its predecessor).
+      export_hash: per-tensor digest of the exports (`weight_files.HASHES`; None: the
+        default, xxh3_128; blake3 where others can write the export folder).
       timeout_s: socket timeout per request (generation of a large batch may be slow).
       max_retries: extra attempts after a transient failure (refused / reset connection,
         timeout, HTTP 429/502/503/504), with backoff `backoff_s * 2**k`.
@@ -130,6 +132,7 @@ class HttpBackend(RolloutBackend):
         export_format: ExportFormat = "bf16",
         export_root: str | Path | None = None,
         keep_versions: int = 2,
+        export_hash: str | None = None,
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
@@ -140,6 +143,7 @@ class HttpBackend(RolloutBackend):
         self._owns_root = export_root is None
         self.export_root = Path(export_root) if export_root is not None else default_root()
         self.keep_versions = keep_versions
+        self.export_hash = export_hash
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -400,6 +404,7 @@ class HttpBackend(RolloutBackend):
             fmt=self.export_format,
             root=self.export_root,
             keep=self.keep_versions,
+            hash_name=self.export_hash,
         )
         self.push_export(path, version)
 

@@ -69,6 +69,7 @@ class ServerPool(RolloutBackend):
         they run on other hosts; /dev/shm only when all share this host). Default
         `weight_files.default_root()`, removed by `close()`.
       keep_versions: exported versions kept on disk.
+      export_hash: per-tensor digest of the exports (`weight_files.HASHES`; None: the default).
       chunks_per_server: queue chunks per live server in one call (more: finer balancing,
         smaller batches per request).
     """
@@ -81,6 +82,7 @@ class ServerPool(RolloutBackend):
         export_format: ExportFormat = "bf16",
         export_root: str | Path | None = None,
         keep_versions: int = 2,
+        export_hash: str | None = None,
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
@@ -96,6 +98,7 @@ class ServerPool(RolloutBackend):
         self.export_root = Path(export_root) if export_root is not None else default_root()
         self.export_format = export_format
         self.keep_versions = keep_versions
+        self.export_hash = export_hash
         self.chunks_per_server = max(1, chunks_per_server)
         self.servers = [
             HttpBackend(
@@ -264,7 +267,7 @@ class ServerPool(RolloutBackend):
         self._check_open()
         path = export_weights(
             hf_state, version, fmt=self.export_format, root=self.export_root,
-            keep=self.keep_versions,
+            keep=self.keep_versions, hash_name=self.export_hash,
         )  # fmt: skip
         self.push_export(path, version)
 

@@ -27,6 +27,11 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SHIM/METADATA"
   : > "$SHIM/RECORD"
 fi
+# The plugin verifies exports with the trainer's digest (rollout.export_hash): xxh3_128 by
+# default needs xxhash, which vLLM does not ship (blake3 it does).
+if ! "$VENV/bin/python" -c "import xxhash" >/dev/null 2>&1; then
+  "$VENV/bin/pip" install -q "xxhash>=3.0"
+fi
 # Our plugin (rollout_bridge.vllm_plugin) must be registered through its entry point; no deps.
 "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
 echo "$VENV"

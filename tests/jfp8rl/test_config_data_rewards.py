@@ -44,6 +44,7 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
         (["train.mini_batches=7"], "train.mini_batches"),
         (["calibration.range_lo=1.5"], "calibration.range_lo"),
         (["nonsense"], "nonsense"),
+        (["rollout.export_hash=md5"], "rollout.export_hash"),
         (["algorithm.name=gspo", "algorithm.clip=calibrated"], "algorithm.clip"),
     ],
 )

@@ -7,6 +7,7 @@ command, with its last checkpoint loadable.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import threading
@@ -19,6 +20,7 @@ from tiny_run import TINY, small
 from jfp8rl.checkpoint import Checkpointer
 from jfp8rl.metrics import read_metrics
 from jfp8rl.train import main
+from rollout_bridge.http_client import HttpBackend
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "rollout_bridge"))
@@ -83,9 +85,18 @@ def test_real_vllm_backend(
     with VllmServer(base_policy_dir, venv=vllm_venv, max_model_len=64) as srv:
         argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
                 f"rollout.url={srv.url}", "rollout.export_format=fp8_fp32", "train.steps=3",
-                "train.eval_every=0", f"model.path={base_policy_dir}")]  # fmt: skip
+                "train.eval_every=0", f"model.path={base_policy_dir}",
+                "rollout.export_hash=blake3", f"rollout.export_root={tmp_path / 'exports'}",
+                )]  # fmt: skip
         assert main(argv) == 0
+        assert HttpBackend(srv.url).weight_version() == "step-3"
     assert _finite_steps(run_dir) == [1, 2, 3]
+    # The config's digest reached the exports the server verified and loaded (kept: 2).
+    manifests = sorted((tmp_path / "exports").glob("step-*/manifest.json"))
+    assert [m.parent.name for m in manifests] == ["step-2", "step-3"]
+    for m in manifests:
+        man = json.loads(m.read_text())
+        assert man["hash"] == "blake3" and all("blake3" in t for t in man["tensors"].values())
     # vLLM samples from the same FP8-rounded weights (activations unquantized on CPU): the
     # trainer-vs-rollout mismatch stays small.
     for r in read_metrics(run_dir)[1:]:

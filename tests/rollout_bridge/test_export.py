@@ -18,6 +18,7 @@ import blake3
 import ml_dtypes
 import numpy as np
 import pytest
+import xxhash
 from safetensors import safe_open
 
 from models import fp8
@@ -104,7 +105,7 @@ def test_fp32_and_bf16_formats(tmp_path: Path) -> None:
             "file": TENSOR_FILE,
             "dtype": "BF16",
             "shape": list(w.shape),
-            "blake3": man["tensors"][name]["blake3"],
+            "xxh3_128": man["tensors"][name]["xxh3_128"],
         }
 
 
@@ -150,12 +151,13 @@ def test_fp8_format_matches_numpy_reference_and_models_fp8(tmp_path: Path) -> No
 
 
 _REFERENCE_DIGEST = {
+    "xxh3_128": lambda b: xxhash.xxh3_128(b).hexdigest(),
     "blake3": lambda b: blake3.blake3(b).hexdigest(),
     "sha256": lambda b: hashlib.sha256(b).hexdigest(),
 }
 
 
-@pytest.mark.parametrize("hash_name", ["blake3", "sha256"])
+@pytest.mark.parametrize("hash_name", ["xxh3_128", "blake3", "sha256"])
 def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path, hash_name: str) -> None:
     st = _state()
     d = write_export(tmp_path, "step-3", st, fmt="fp32", hash_name=hash_name)
@@ -171,6 +173,34 @@ def test_manifest_hashes_and_safetensors_compatibility(tmp_path: Path, hash_name
             want = _REFERENCE_DIGEST[hash_name](x.tobytes())
             assert man["tensors"][name][hash_name] == want
             assert man["tensors"][name]["shape"] == list(x.shape)
+
+
+def test_digest_known_vectors_default_and_missing_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`digest` against published vectors of the empty input (xxHash's sanity test for
+    XXH3_128, BLAKE3's and SHA-256's specs); xxh3_128 is the default; an export hashed with a
+    package this side lacks is refused with the install command, not loaded unchecked."""
+    empty = memoryview(b"")
+    assert weight_files.digest(empty, "xxh3_128") == "99aa06d3014798d86001c324468d497f"
+    assert weight_files.digest(empty, "blake3") == (
+        "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    )
+    assert weight_files.digest(empty, "sha256") == (
+        "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    )
+    assert weight_files.default_hash() == "xxh3_128"
+    d = export_weights(_state(), "v", fmt="fp32", root=tmp_path)
+    assert json.loads((d / MANIFEST).read_text())["hash"] == "xxh3_128"
+    monkeypatch.setitem(sys.modules, "xxhash", None)  # the import now fails
+    weight_files._hash_module.cache_clear()
+    try:
+        assert weight_files.default_hash() == "blake3"
+        with pytest.raises(ExportError, match="needs the xxhash package.*pip install xxhash"):
+            load_export(d)
+    finally:
+        monkeypatch.undo()
+        weight_files._hash_module.cache_clear()
 
 
 @pytest.mark.parametrize("reserve", [None, 64])
@@ -208,7 +238,7 @@ def _flip_byte(path: Path, offset_from_end: int) -> None:
 
 
 @pytest.mark.parametrize("mapped", [False, True])
-@pytest.mark.parametrize("hash_name", ["blake3", "sha256"])
+@pytest.mark.parametrize("hash_name", ["xxh3_128", "blake3", "sha256"])
 def test_tampered_truncated_and_mismatched_exports_are_refused(
     tmp_path: Path, hash_name: str, mapped: bool
 ) -> None:

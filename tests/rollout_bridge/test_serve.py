@@ -212,7 +212,7 @@ def test_tampered_export_is_refused_and_server_resumes(served):
     data[-5] ^= 0xFF  # flip a byte inside the last tensor
     f.write_bytes(bytes(data))
     before = engine.weight_version()
-    with pytest.raises(RolloutError, match="blake3 of tensor .*does not match the manifest"):
+    with pytest.raises(RolloutError, match="xxh3_128 of tensor .*does not match the manifest"):
         client.push_export(path, "step-bad")
     assert client.weight_version() == before
     # The client resumed the server after the failed update: generation still works.
