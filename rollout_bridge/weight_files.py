@@ -556,6 +556,10 @@ def _checked_manifest(
         "export with the same jfp8rl version as the server",
         where=f"{export_dir / MANIFEST}: ",
     )
+    try:  # a missing hash package refuses the export here, before any tensor is touched
+        _hash_module(hash_name)
+    except ExportError as e:
+        raise ExportError(f"{export_dir / MANIFEST}: {e}") from e
     if expected_version is not None and manifest["version"] != expected_version:
         raise ExportError(
             f"{export_dir / MANIFEST}: holds version {manifest['version']!r}, expected "
