@@ -44,8 +44,9 @@ Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
        "manifest_sha256": <sha256 hex of <path>/manifest.json>}}
      The server loads it with `rollout_bridge.weight_files.load_export(path,
      expected_version=version, expected_manifest_sha256=...)`, which verifies sizes and
-     per-tensor digests (the manifest's `hash`) and raises `ExportError` on any mismatch; the route must then answer a
-     non-2xx status (vLLM: 500) and keep serving the old weights and version.
+     per-tensor digests (the manifest's `hash`) and raises `ExportError` on any mismatch;
+     the route must then answer a non-2xx status (vLLM: 500) and keep serving the old
+     weights and version.
   5. `POST /finish_weight_update` {"weight_version": <str>}  (sets the served version)
   6. `POST /resume` (no body; always sent once step 1 succeeded, also after a failure)
   7. `GET /weight_info` -> `weight_version` must equal the pushed version.

@@ -15,8 +15,9 @@ Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
                                           checks the manifest (sha256, version, sizes,
                                           headers) and starts hashing every tensor (the
                                           manifest's `hash`, xxh3_128 by default; its
-                                          package must be in vLLM's venv) in file order on the engine's cores other than
-                                          the worker thread's (`hashing_cores`); vLLM's
+                                          package must be in vLLM's venv) in file order
+                                          on the engine's cores other than the worker
+                                          thread's (`hashing_cores`); vLLM's
                                           layerwise reload is initialised and the tensors go
                                           to `model.load_weights` (vLLM fuses q/k/v and
                                           gate/up itself) each as soon as its digest matched,
@@ -268,8 +269,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             yield from tensors.items()
 
     def _roll_back(self, path: Path, cause: BaseException) -> None:
-        """Closes the broken reload (called only while one is open) and loads the weights served before this session again;
-        exits the process where even that fails (it would serve a mix of two versions)."""
+        """Closes the broken reload (called only while one is open) and loads the weights
+        served before this session again; exits the process where even that fails (it would
+        serve a mix of two versions)."""
         source = "the model checkpoint" if self._served is None else [str(d) for d in self._served]
         try:
             self._end_reload()  # layers not yet loaded get their old tensors back
