@@ -101,6 +101,9 @@ class VllmServer:
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_LOGGING_LEVEL="INFO",
             TOKENIZERS_PARALLELISM="false",
+            # the plugin is imported from this checkout, whichever one the venv's editable
+            # install points at
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
         )
         env.pop("JAX_PLATFORMS", None)
         log = open(self.log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
