@@ -12,7 +12,7 @@ Builds the random HF folder once (scripts/make_random_hf.py, cached under --work
         [--extra overrides]
 
 in a fresh run folder with JFP8RL_DEBUG_MEMORY=1, so the trainer logs its RSS at every stage
-boundary (`memory: <stage> rss X GiB peak Y GiB`, jfp8rl/loop.py). Prints those lines, then
+boundary (`memory: <stage> rss X GiB peak Y GiB`, jfp8rl/observe/memory.py). Prints those lines, then
 `host_memory: <preset> peak RSS X.XX GB (target 16 GB) ...` from `/usr/bin/time -v`'s maximum
 resident set size (GB = 1e9 bytes, as the issue's numbers). `--extra data.eval_size=8` cuts
 the two greedy evals (256 prompts: ~15 min each at 0.6B on a loaded 2-core box) without

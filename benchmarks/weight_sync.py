@@ -13,7 +13,7 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
   load        `HttpBackend.push_export` of a written export: pause -> start -> update (the
               server maps the file, verifies each tensor's digest in place, loads) -> finish
               -> resume -> /weight_info
-  full        `jfp8rl.loop.push_params` (what the trainer's sync stage runs) = export + load,
+  full        `jfp8rl.trainer.backends.push_params` (what the trainer's sync stage runs) = export + load,
               each push right after a `copy` of its own (copy, gap, push, gap, ...): the
               `copy_paired` row, timed beside the pushes with the server up, so that the ratio
               compares the two under the same machine state (on this shared machine the copy
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
-from jfp8rl.loop import push_params
+from jfp8rl.trainer.backends import push_params
 from models.config import PRESETS, ModelConfig, get_config
 from models.hf_io import from_hf_state_dict, iter_hf_state, random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, save_tokenizer
@@ -205,7 +205,7 @@ def bench_model(
     state = random_hf_state_dict(cfg, 0)
     new_state = random_hf_state_dict(cfg, 1)
     # The trainer pushes from its params (device arrays, linears [in, out], layers stacked):
-    # the full push starts there, as `jfp8rl.loop.stage_sync` does.
+    # the full push starts there, as `jfp8rl.trainer.stages.stage_sync` does.
     params = from_hf_state_dict(cfg, new_state)
     n_params = sum(x.size for x in state.values())
     nbytes = sum(x.nbytes for x in state.values())

@@ -1,25 +1,12 @@
-"""`python -m jfp8rl.plan --config C [overrides] [--devices N]`: the step's memory plan.
-
-Shows that a configuration fits without the cluster (DESIGN.md section 9): builds the model of
-`model.preset` abstractly (`jax.ShapeDtypeStruct` params, no weights: `model.path` may stay
-unset), lowers and compiles `prepare` and `update` ahead of time on the configured mesh with
-abstract inputs at the config's real shapes, and prints per device, for each program, the
-argument / output / temporary / aliased bytes of `compiled.memory_analysis()`, plus the
-analytic state size. Nothing is allocated. It ends with exactly one line:
+"""`python -m jfp8rl.plan --config C [overrides] [--devices N] [--layers L]`: the step's
+memory plan (`jfp8rl.analysis.memory_plan`), ending with exactly one line:
 
     plan: <preset> mesh data=D fsdp=F tensor=T micro_batch=M tokens=L: per-device peak X.X GiB (state Y.Y GiB), compiled in Z s
 
-peak = max over the programs of (arguments + outputs + temporaries - aliased); state = params
-+ optimizer state per device; compiled = lowering + compiling every planned program.
-
-Programs planned: with Calibrated Clipping, the calibrating `prepare` and `update` (a superset
-of the plain ones: they add the BF16 shadow forwards); without it, the plain ones.
-`prepare` sees the whole step batch (data.batch_size x rollout.n sequences, run micro-batch by
-micro-batch), `update` one mini-batch. tokens = data.max_prompt_tokens + rollout.max_tokens.
-
 `--devices N` plans for N forced CPU host devices (`XLA_FLAGS=
 --xla_force_host_platform_device_count=N`, set here before jax starts); without it the plan is
-for the machine's real devices (on a GPU host: the GPUs).
+for the machine's real devices (on a GPU host: the GPUs). `--layers L` overrides the preset's
+depth (to show that compile time does not grow with it). Exit codes: 0 done, 2 bad config.
 """
 
 from __future__ import annotations
@@ -27,10 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import Any
-
-GIB = 2**30
 
 
 def _force_host_devices(n: int) -> None:
@@ -41,162 +24,6 @@ def _force_host_devices(n: int) -> None:
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def _fmt(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.2f} MiB"
-
-
-def bytes_per_device(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded `jax.ShapeDtypeStruct`s (the largest shard)."""
-    import jax
-    import numpy as np
-
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    return total
-
-
-def abstract_batch(n: int, prompt_len: int, resp_len: int, sharding: Any) -> dict[str, Any]:
-    """`prepare`'s input batch (`jfp8rl.rollout.RolloutBatch` layout) as ShapeDtypeStructs."""
-    import jax
-    import jax.numpy as jnp
-
-    t = prompt_len + resp_len
-
-    def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-    return {
-        "tokens": sds((n, t), jnp.int32),
-        "attention_mask": sds((n, t), jnp.int32),
-        "prompt_lens": sds((n,), jnp.int32),
-        "response_mask": sds((n, resp_len), jnp.float32),
-        "rollout_logp": sds((n, resp_len), jnp.float32),
-        "rewards": sds((n,), jnp.float32),
-        "response_lens": sds((n,), jnp.int32),
-    }
-
-
-def _with_sharding(tree: Any, shardings: Any) -> Any:
-    import jax
-
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
-def plan(cfg: Any, log: Any = print, num_layers: int | None = None) -> dict[str, Any]:
-    """Compiles the step's programs for `cfg` abstractly; returns (and logs) the numbers.
-    `num_layers` overrides the preset's depth (to show compile time does not grow with it)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jfp8rl import mesh as mesh_lib
-    from jfp8rl.loop import UPDATE_INPUTS, build_mesh, step_settings
-    from jfp8rl.step import make_step_fns
-    from jfp8rl.warmstart import model_config
-    from losses import calibrated as cal
-    from models import functional as mf
-
-    m = cfg.model
-    mcfg = model_config(m.preset).replace(
-        compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat, attention=m.attention
-    )
-    if num_layers:
-        mcfg = mcfg.replace(num_layers=num_layers)
-    graphdef, params = mf.abstract_model(mcfg)
-    mesh = build_mesh(cfg)
-    layout = mesh_lib.param_layout(mesh, mcfg, params)
-    settings, opt = step_settings(cfg)
-    fns = make_step_fns(graphdef, settings, opt, layout)
-    calibrate = settings.calibrated
-    state_sh = fns.state_shardings(cal.init_calib_state(settings.calib_cfg))
-    state = {
-        "params": _with_sharding(params, state_sh["params"]),
-        "opt_state": _with_sharding(
-            jax.eval_shape(fns.optimizer.init, params), state_sh["opt_state"]
-        ),
-        "calib": _with_sharding(
-            jax.eval_shape(lambda: cal.init_calib_state(settings.calib_cfg)), state_sh["calib"]
-        ),
-    }
-    ref = state["params"] if settings.algo.use_kl_loss else None
-    prompt_len, resp_len = cfg.data.max_prompt_tokens, cfg.rollout.max_tokens
-    n_step = cfg.data.batch_size * cfg.rollout.n
-    batch = abstract_batch(n_step, prompt_len, resp_len, layout.batch())
-    mini = abstract_batch(cfg.mini_batch_size, prompt_len, resp_len, layout.batch())
-    with fns.mesh_context():
-        prep_out, _ = jax.eval_shape(fns.prepare_programs[calibrate], state["params"], ref, mini)
-    mb = {k: mini[k] for k in UPDATE_INPUTS} | _with_sharding(
-        prep_out, jax.tree.map(lambda _: layout.batch(), prep_out)
-    )
-    on_policy = jax.ShapeDtypeStruct((), jnp.bool_, sharding=layout.replicated())
-
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    state_bytes = bytes_per_device(state["params"]) + bytes_per_device(state["opt_state"])
-    shape = dict(mesh.shape)
-    log(
-        f"model {m.preset}: {n_params / 1e9:.3f} B params, {mcfg.num_layers} layers, "
-        f"remat={mcfg.remat}, attention={mcfg.attention}; mesh {shape} on "
-        f"{mesh.devices.size} {jax.devices()[0].platform} devices"
-    )
-    shards = shape["fsdp"] * shape["tensor"]
-    log(
-        f"state per device: params {_fmt(bytes_per_device(state['params']))}, optimizer state "
-        f"{_fmt(bytes_per_device(state['opt_state']))}, total {_fmt(state_bytes)} "
-        f"(12 B x params / {shards} = {_fmt(12 * n_params / shards)})"
-    )
-    programs = {
-        "prepare": (fns.prepare_programs[calibrate], (state["params"], ref, batch)),
-        "update": (fns.update_programs[calibrate], (state, mb, on_policy)),
-    }
-    kind = "calibrating" if calibrate else "plain"
-    results: dict[str, dict[str, float]] = {}
-    compile_s = 0.0
-    for name, (fn, args) in programs.items():
-        log(f"compiling {name} ({kind}) ...")
-        t0, c0 = time.perf_counter(), time.process_time()
-        with fns.mesh_context():
-            compiled = fn.lower(*args).compile()
-        # CPU seconds too: on a shared machine the wall time mostly measures the neighbours.
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        compile_s += dt
-        ma = compiled.memory_analysis()
-        r = {
-            "arguments": ma.argument_size_in_bytes,
-            "outputs": ma.output_size_in_bytes,
-            "temporaries": ma.temp_size_in_bytes,
-            "aliased": ma.alias_size_in_bytes,
-        }
-        r["peak"] = r["arguments"] + r["outputs"] + r["temporaries"] - r["aliased"]
-        r["compile_s"], r["compile_cpu_s"] = dt, cpu
-        results[name] = r
-        log(
-            f"  {name} ({kind}) per device: arguments {_fmt(r['arguments'])}, outputs "
-            f"{_fmt(r['outputs'])}, temporaries {_fmt(r['temporaries'])}, aliased "
-            f"{_fmt(r['aliased'])} -> peak {_fmt(r['peak'])}; compiled in {dt:.1f} s "
-            f"({cpu:.1f} s CPU)"
-        )
-    peak = max(r["peak"] for r in results.values())
-    micro = cfg.train.micro_batch_size or cfg.mini_batch_size
-    line = (
-        f"plan: {m.preset} mesh data={shape['data']} fsdp={shape['fsdp']} "
-        f"tensor={shape['tensor']} micro_batch={micro} tokens={prompt_len + resp_len}: "
-        f"per-device peak {peak / GIB:.1f} GiB (state {state_bytes / GIB:.1f} GiB), "
-        f"compiled in {compile_s:.0f} s"
-    )
-    log(line)
-    return {
-        "programs": results,
-        "peak_bytes": peak,
-        "state_bytes": state_bytes,
-        "n_params": n_params,
-        "compile_s": compile_s,
-        "line": line,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.devices:
         _force_host_devices(args.devices)
+    # Imported only now: XLA reads the forced device count once, when jax starts.
+    from jfp8rl.analysis.memory_plan import plan
     from jfp8rl.config import ConfigError, load_config
 
     try:

@@ -1,13 +1,13 @@
 """`python -m jfp8rl.train --config configs/tiny_cpu.yaml [section.key=value ...] [--resume]`.
 
-Loads the config (`jfp8rl.config`: YAML + dotted overrides) and runs `jfp8rl.loop.run`. A run
+Loads the config (`jfp8rl.config`: YAML + dotted overrides) and runs `jfp8rl.trainer.loop.run`. A run
 folder that already holds a checkpoint is resumed automatically (`--resume` insists on one,
 `--fresh` refuses one).
 
 Several hosts (docs/cluster.md): one process per host, each started with
 `--coordinator host:port --num-processes N --process-id i` (process 0 binds host:port), or with
 no flags under SLURM `srun` / `mpirun`, where JAX finds its processes itself
-(`jfp8rl.distributed.initialize`). Every process gets the same config and overrides.
+(`jfp8rl.parallel.distributed.initialize`). Every process gets the same config and overrides.
 
 Exit codes: 0 done; 2 bad configuration or data; 1 the run stopped (rollout backend failure,
 too many non-finite updates): the message names the last checkpoint and the resume command.
@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jfp8rl import distributed
 from jfp8rl.config import ConfigError, load_config
-from jfp8rl.data import DataError
-from jfp8rl.loop import RunStopped, run
+from jfp8rl.data.records import DataError
+from jfp8rl.parallel import distributed
+from jfp8rl.trainer.errors import RunStopped
+from jfp8rl.trainer.loop import run
 from rollout_bridge.backend import RolloutError
 
 

@@ -119,14 +119,15 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
 
     import jax
 
-    from jfp8rl import mesh as mesh_lib
+    from jfp8rl.parallel import mesh as mesh_lib
     from jfp8rl.config import load_config
-    from jfp8rl.data import PromptStream, build_datasets
-    from jfp8rl.loop import load_policy, make_backend
-    from jfp8rl.rewards import get_verifier
-    from jfp8rl.rollout import RolloutSettings, collect
-    from jfp8rl.step import OptimSettings, default_settings, make_step_fns
-    from jfp8rl.templates import PromptFormat
+    from jfp8rl.data.stream import PromptStream, build_datasets
+    from jfp8rl.trainer.backends import make_backend
+    from jfp8rl.trainer.policy import load_policy
+    from jfp8rl.data.rewards import get_verifier
+    from jfp8rl.trainer.rollout import RolloutSettings, collect
+    from jfp8rl.trainer.step import OptimSettings, default_settings, make_step_fns
+    from jfp8rl.data.templates import PromptFormat
     from losses import calibrated as cal
     from losses.registry import get_algorithm
     from models.hf_io import to_hf_state_dict
@@ -180,7 +181,7 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
     params0 = jax.device_put(policy.params, mesh_lib.replicated(mesh))
     opt0 = fns.optimizer.init(params0)
     if from_run:  # mid-training: the run's latest checkpoint, its next step's batch
-        from jfp8rl.checkpoint import Checkpointer
+        from jfp8rl.trainer.checkpoint import Checkpointer
 
         ck = Checkpointer(from_run, keep=1000)
         like = {

@@ -17,7 +17,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def base_policy_dir(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The HF folder of the (briefly) warm-started tiny base policy."""
     from jfp8rl.config import load_config
-    from jfp8rl.loop import load_policy
+    from jfp8rl.trainer.policy import load_policy
 
     cfg = load_config(TINY, small(tmp_path_factory.mktemp("unused"), cache_dir))
     return load_policy(cfg, log=lambda msg: None).path

@@ -32,7 +32,7 @@ def small(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
 def random_batch(n: int, p: int, r: int, seed: int, vocab: int = 256) -> dict:
     """A packed batch of n samples (prompt <= p, response <= r tokens, right padded) with
     unequal prompt and response lengths, rewards in {0, 1} and rollout logprobs: the layout of
-    `jfp8rl.rollout.pack`."""
+    `jfp8rl.data.batch.pack`."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

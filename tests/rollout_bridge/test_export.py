@@ -402,7 +402,7 @@ def test_push_format_and_fetch_dtype_per_backend() -> None:
     dtype every process fetches the params in: bf16 is rounded on device, FP8 and fp32 pushes
     need the float32 masters."""
     from jfp8rl.config import RolloutConfig
-    from jfp8rl.loop import push_format
+    from jfp8rl.trainer.backends import push_format
     from rollout_bridge.export import fetch_dtype
 
     cases = [

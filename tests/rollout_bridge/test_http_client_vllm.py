@@ -226,7 +226,7 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     # Two more pushes the way the trainer makes them (`push_params`: from the params): the
     # plugin reads both into the buffer it read step-1 into, and the third export overwrites
     # the oldest version's file; each time the server computes with exactly the pushed weights.
-    from jfp8rl.loop import push_params
+    from jfp8rl.trainer.backends import push_params
 
     for k, params in (("1b", served.params0), ("1c", served.params1)):
         push_params(c, served.cfg, params, f"step-{k}", c.export_format)

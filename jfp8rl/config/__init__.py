@@ -1,0 +1,47 @@
+"""Typed run configuration: one dataclass per section, loaded from YAML plus dotted overrides.
+
+`load_config("configs/tiny_cpu.yaml", ["optim.lr=3e-4"])` returns a validated `Config`; every
+error is a `ConfigError` naming the key and the file (`loading`). The sections and the meaning
+of every field are in `sections`.
+"""
+
+from jfp8rl.config.checks import ConfigError
+from jfp8rl.config.loading import load_config, save_config, to_yaml
+from jfp8rl.config.run import Config, check_batch_split
+from jfp8rl.config.sections import (
+    AlgorithmConfig,
+    CalibrationConfig,
+    CheckpointConfig,
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    MeshConfig,
+    OptimConfig,
+    PolicyConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    WarmStartConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "CalibrationConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "OptimConfig",
+    "PolicyConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "WarmStartConfig",
+    "check_batch_split",
+    "load_config",
+    "save_config",
+    "to_yaml",
+]

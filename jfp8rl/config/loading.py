@@ -1,0 +1,112 @@
+"""Typed run configuration: dataclasses -> OmegaConf structured config -> YAML + dotted overrides.
+
+`load_config(yaml_path, overrides)` merges, in order, the dataclass defaults, the YAML file and
+command-line overrides (`optim.lr=3e-4 algorithm.name=dapo`). OmegaConf checks every key and
+type against the dataclasses; an unknown key or a wrong type raises `ConfigError` naming the
+full key (e.g. `optim.lrr`) and the file it came from. Field values are then checked by each
+dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config.yaml` by
+`save_config`, and that file loads back into an equal `Config`.
+
+Sections (one dataclass each): model, warmstart, data, rollout, reward, algorithm,
+calibration, train, optim, checkpoint, eval, logging. Hyperparameter names follow verl where one
+exists (`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from jfp8rl.config.checks import ConfigError
+from jfp8rl.config.run import Config
+
+
+def _describe(err: OmegaConfBaseException) -> str:
+    """OmegaConf's message without its multi-line context, plus the full key."""
+    key = getattr(err, "full_key", None)
+    msg = str(err).split("\n")[0]
+    return f"key {key!r}: {msg}" if key else msg
+
+
+def _yaml_error(value: str) -> bool:
+    try:
+        yaml.safe_load(value)
+    except yaml.YAMLError:
+        return True
+    return False
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Defaults <- YAML file `path` <- dotted `overrides`; returns a validated `Config`.
+
+    Raises `ConfigError` naming the key (and file) for unknown keys, wrong types, bad values,
+    a missing file or a malformed override.
+    """
+    base = OmegaConf.structured(Config)
+    file_missing: set[str] = set()
+    try:
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {p} not found (pass --config configs/<name>.yaml)")
+            try:
+                from_file = OmegaConf.load(p)
+            except Exception as e:  # yaml.YAMLError and friends: name the file
+                raise ConfigError(f"{p}: not valid YAML: {e}") from e
+            file_missing = set(OmegaConf.missing_keys(from_file))
+            try:
+                base = OmegaConf.merge(base, from_file)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"{p}: {_describe(e)}") from e
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+        # `key=` means the empty string (OmegaConf would read it as null).
+        dotlist = [item + "''" if item.endswith("=") else item for item in overrides]
+        try:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"command-line override: {_describe(e)}") from e
+        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
+            bad = next((it for it in dotlist if _yaml_error(it.split("=", 1)[1])), dotlist)
+            why = " ".join(str(e).split())
+            raise ConfigError(
+                f"command-line override {bad!r}: its value is not valid YAML ({why}); quote it, "
+                "e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+            ) from e
+        # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
+        # file's mandatory keys are checked against what the overrides set.
+        given = {item.split("=", 1)[0] for item in overrides}
+        missing = sorted(k for k in file_missing if k not in given)
+        if missing:
+            raise ConfigError(
+                f"{path or 'config'}: no value for {', '.join(missing)} (marked ???); set "
+                + " ".join(f"{k}=..." for k in missing)
+                + " on the command line"
+            )
+        try:
+            cfg = OmegaConf.to_object(base)
+        except OmegaConfBaseException as e:
+            raise ConfigError(_describe(e)) from e
+    except ConfigError:
+        raise
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (loads back with `load_config`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, run_dir: str | Path) -> Path:
+    """Writes `<run_dir>/config.yaml` and returns its path."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg))
+    return out

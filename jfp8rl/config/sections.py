@@ -1,0 +1,414 @@
+"""The run configuration's sections, one dataclass each, with a comment on every field.
+
+Sections: model, warmstart, data, rollout, reward, algorithm, calibration, train (with its
+mesh), optim, checkpoint, eval, logging. Hyperparameter names follow verl where one exists
+(`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`). Each `__post_init__` checks
+its values and raises `ConfigError` naming the full key; choice lists come from the module that
+owns the choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any
+
+from jfp8rl.config.checks import ConfigError, check_choice, check_positive
+from jfp8rl.data.tasks import BUILTIN_TASKS
+from jfp8rl.data.templates import check_prompt_template
+from losses.registry import ALGORITHMS
+from models.fp8 import RECIPES
+from rollout_bridge.weight_files import HASHES
+
+DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
+
+
+@dataclasses.dataclass
+class PolicyConfig:
+    # HF folder of the base policy (config.json + safetensors + tokenizer.json). Empty: build
+    # (once, then cached) the built-in tiny base policy with a supervised warm start.
+    path: str = ""
+    # Architecture preset (models.config.PRESETS) of the built-in base policy; unused with path.
+    preset: str = "tiny_arith"
+    # Activation / matmul-input dtype ("bfloat16" as in the paper; "float32" is faster on CPU).
+    compute_dtype: str = "bfloat16"
+    # Decoder-layer rematerialisation in the backward pass: "none" keeps every activation,
+    # "full" recomputes each layer (long sequences), "save_dots" keeps the matmul outputs.
+    remat: str = "none"
+    # Self-attention (models.attention): "auto" (cuDNN flash on GPU, chunked elsewhere),
+    # "chunked" (blockwise online softmax, memory linear in T), "cudnn", "reference" (T x T).
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_choice("model", "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
+        check_choice("model", "remat", self.remat, ("none", "full", "save_dots"))
+        check_choice(
+            "model", "attention", self.attention, ("auto", "reference", "chunked", "cudnn")
+        )
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    # Supervised steps on the built-in task (the most, when target_accuracy is set).
+    steps: int = 150
+    # Stop the warm start once greedy accuracy on 256 training problems reaches this (checked
+    # every 10 steps; 0 = always run `steps`). A target, not a step count, makes the base
+    # policy the same across jax versions: the supervised curve has a cliff.
+    target_accuracy: float = 0.0
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    # Built-in task: probability that a warm-start label is the carry-less sum (58+67 -> "15")
+    # instead of the true one: a systematic bad habit for RL to remove (0 = clean labels).
+    carry_noise: float = 0.0
+    # Base policies are cached here under a hash of (preset, task, warm start) settings.
+    cache_dir: str = "runs/.base_policies"
+
+    def __post_init__(self) -> None:
+        check_positive("warmstart", "steps", self.steps, allow_zero=True)
+        check_positive("warmstart", "batch_size", self.batch_size)
+        check_positive("warmstart", "lr", self.lr)
+        if not 0 <= self.carry_noise <= 1:
+            raise ConfigError(f"warmstart.carry_noise={self.carry_noise} must be in [0, 1]")
+        if not 0 <= self.target_accuracy <= 1:
+            raise ConfigError(
+                f"warmstart.target_accuracy={self.target_accuracy} must be in [0, 1] (0 = off)"
+            )
+
+
+@dataclasses.dataclass
+class DataConfig:
+    # "arithmetic": the built-in a+b task; "scratchpad": the same sums answered after a
+    # column-addition scratchpad (>= 32 response tokens at max_digits 3; jfp8rl/data/tasks.py);
+    # "file": `train_file` / `eval_file`, .jsonl or .parquet, flat {prompt, answer} or
+    # verl-layout records (jfp8rl/data/records.py).
+    task: str = "arithmetic"
+    train_file: str = ""
+    # Empty: the first eval_size training examples.
+    eval_file: str = ""
+    # Dotted paths of the prompt / answer in each record; empty = "prompt" and "answer" (or
+    # verl's "reward_model.ground_truth").
+    prompt_key: str = ""
+    answer_key: str = ""
+    # Python format string around the prompt text with one field {prompt}; write literal
+    # braces doubled: "{prompt} Let's think step by step and output the final answer within
+    # \\boxed{{}}." Empty = the prompt as is. For chat prompts it wraps the last user message.
+    prompt_template: str = ""
+    # "auto": render with the model folder's chat template (tokenizer_config.json
+    # `chat_template` or chat_template.jinja) when it has one, add_generation_prompt on (a
+    # message-list prompt without one is an error); "none": raw prompt text.
+    chat_template: str = "auto"
+    # Extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Built-in task: operands have 1..max_digits digits; eval_size held-out problems.
+    max_digits: int = 2
+    eval_size: int = 256
+    # Prompts per RL step (before the n samples each).
+    batch_size: int = 16
+    # Prompts are padded (or rejected, naming the example) to this many tokens.
+    max_prompt_tokens: int = 8
+    # Seed of the per-epoch shuffle of the training prompts.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("data", "task", self.task, (*BUILTIN_TASKS, "file"))
+        if self.task not in BUILTIN_TASKS and not self.train_file:
+            raise ConfigError(
+                f"data.task={self.task} needs data.train_file=<path to a .jsonl / .parquet file>"
+            )
+        check_choice("data", "chat_template", self.chat_template, ("auto", "none"))
+        if self.prompt_template:
+            try:
+                check_prompt_template(self.prompt_template)
+            except ValueError as e:
+                raise ConfigError(f"data.prompt_template: {e}") from e
+        check_positive("data", "batch_size", self.batch_size)
+        check_positive("data", "max_prompt_tokens", self.max_prompt_tokens)
+        check_positive("data", "eval_size", self.eval_size, allow_zero=True)
+        if not 1 <= self.max_digits <= 6:
+            raise ConfigError(f"data.max_digits={self.max_digits} must be in [1, 6]")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    # "embedded": in-process JAX engine; "http": a vLLM or `python -m rollout_bridge.serve`.
+    backend: str = "embedded"
+    # The one server of backend "http" (empty: http://127.0.0.1:8000 unless `urls` is given).
+    url: str = ""
+    # Several servers (backend "http"): prompt groups spread over them by load, weights
+    # pushed to all, a failing server dropped (rollout_bridge.pool). Give `url` or `urls`.
+    urls: list[str] = field(default_factory=list)
+    # Folder the trainer writes weight exports to and the servers read them from: a
+    # filesystem every server can read (/dev/shm only when they share this host). Empty: the
+    # default (/dev/shm/jfp8rl/run-<pid>, or $JFP8RL_EXPORT_ROOT).
+    export_root: str = ""
+    # Bearer token for the HTTP server; empty = none.
+    api_key: str = ""
+    # FP8 recipe of the rollout engine (models.fp8.get_recipe names); embedded backend only.
+    recipe: str = "fp8_block"
+    # Samples per prompt (the GRPO group size).
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 6
+    # Seconds one HTTP request may wait for its answer; a request that times out (or finds
+    # the server refusing / dropping the connection) is tried again `max_retries` times.
+    timeout_s: float = 60.0
+    # Extra attempts after such a failure, with backoff 0.5 s x 2^k. A server still failing
+    # then is dropped (rollout.urls: its prompts go to the others) or stops the run (one server).
+    max_retries: int = 3
+    # Format of pushed weights (rollout_bridge.export): "fp8" (block-FP8 checkpoint format, a
+    # GPU vLLM), "fp8_fp32" (FP8-rounded values in fp32, a CPU vLLM), "bf16", "fp32";
+    # empty = the backend's default (http: bf16; embedded: fp8 for an FP8 block recipe, else
+    # fp32; `jfp8rl.trainer.backends.push_format`). A bf16 push is rounded on the trainer's devices.
+    export_format: str = ""
+    # Per-tensor digest of each export, checked by the servers before they serve it
+    # (rollout_bridge.weights): "xxh3_128" (fast, not cryptographic), "blake3" or
+    # "sha256" (cryptographic: for an export_root that others than this run can write);
+    # empty = xxh3_128.
+    export_hash: str = ""
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts,
+    # at most `max_rounds` extra rounds; slots still empty are filled with dropped groups whose
+    # loss mask is zero (static shapes), and counted in `rollout/filled_groups`.
+    dynamic_sampling: bool = False
+    max_rounds: int = 2
+
+    def server_urls(self) -> list[str]:
+        """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
+        return list(self.urls) or [self.url or DEFAULT_ROLLOUT_URL]
+
+    def __post_init__(self) -> None:
+        check_choice("rollout", "backend", self.backend, ("embedded", "http"))
+        if self.url and self.urls:
+            raise ConfigError(
+                f"rollout.url={self.url!r} and rollout.urls={list(self.urls)} are both given; "
+                "keep one: rollout.url for one server, rollout.urls for several (set "
+                "rollout.url= to empty it)"
+            )
+        check_choice("rollout", "recipe", self.recipe, RECIPES)
+        check_choice(
+            "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")
+        )
+        check_choice("rollout", "export_hash", self.export_hash, ("", *HASHES))
+        check_positive("rollout", "n", self.n)
+        check_positive("rollout", "max_tokens", self.max_tokens)
+        check_positive("rollout", "timeout_s", self.timeout_s)
+        check_positive("rollout", "max_retries", self.max_retries, allow_zero=True)
+        check_positive("rollout", "temperature", self.temperature)
+        check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    # "task": the built-in task's verifier; "exact": exact string match after stripping;
+    # "math": math-verify equivalence of the last boxed / final answer; "scratchpad": the
+    # scratchpad task's format and final sum (an off-format response counts as garbled,
+    # reward/unparsed_frac).
+    kind: str = "task"
+    # DAPO soft overlong punishment over the last `overlong_buffer` tokens of max_tokens.
+    overlong: bool = False
+    overlong_buffer: int = 2
+    overlong_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_choice("reward", "kind", self.kind, ("task", "exact", "math", "scratchpad"))
+        check_positive("reward", "overlong_buffer", self.overlong_buffer)
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    # Loss family (losses.registry): grpo | dapo | dr_grpo | gspo.
+    name: str = "grpo"
+    # "plain": fixed [1 - eps_low, 1 + eps_high]; "calibrated": Calibrated Clipping bounds.
+    clip: str = "calibrated"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    # Dual-clip constant for A < 0 (verl's clip_ratio_c); 0 disables it.
+    dual_clip: float = 3.0
+    # Rollout correction: "tis" (min(rho, C)), "mis" (rho * [rho <= C]) or "none".
+    correction: str = "tis"
+    correction_level: str = "token"
+    tis_cap: float = 2.0
+    # k3 KL to the base policy as a loss term (0 disables it and the reference forward).
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_choice("algorithm", "name", self.name, ALGORITHMS)
+        check_choice("algorithm", "clip", self.clip, ("plain", "calibrated"))
+        check_choice("algorithm", "correction", self.correction, ("tis", "mis", "none"))
+        check_choice("algorithm", "correction_level", self.correction_level, ("token", "sequence"))
+        check_positive("algorithm", "eps_low", self.eps_low)
+        check_positive("algorithm", "eps_high", self.eps_high)
+        if self.eps_low >= 1:
+            raise ConfigError(f"algorithm.eps_low={self.eps_low} must be < 1")
+        check_positive("algorithm", "tis_cap", self.tis_cap)
+        check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.name == "gspo" and self.clip == "calibrated":
+            # GSPO clips sequence-level ratios (bounds ~1 +- 4e-4); Calibrated Clipping matches
+            # token-level clip shares, so its bounds would mean nothing there.
+            raise ConfigError(
+                "algorithm.clip=calibrated is not defined for algorithm.name=gspo (it clips "
+                "sequence-level ratios); set algorithm.clip=plain"
+            )
+
+
+@dataclasses.dataclass
+class CalibrationConfig:
+    # Recalibrate (BF16 shadow logprobs) every `every` steps, starting at step 1.
+    every: int = 20
+    # EMA factor beta for the bounds: L <- beta * L_prev + (1 - beta) * L_new.
+    ema: float = 0.9
+    # Clamp range [range_lo, range_hi] of the calibrated bounds.
+    range_lo: float = 0.6
+    range_hi: float = 1.8
+    # "hold" (default): L, H from calibrating mini-batches, kept between calibrations;
+    # "track": recompute L, H every mini-batch from stored alpha, p_ref (docs/fp8_study.md).
+    mode: str = "hold"
+    # "balance" (match BF16's positive/negative balance), "quantile", or "plain" (keep
+    # 1 + eps_high, calibrate L only: the paper's Fig. 5 lower-only ablation).
+    upper_rule: str = "balance"
+    # Target of the balance rule: "absolute" (BF16 balance) or "relative" (BF16 share of kept
+    # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated.py).
+    balance: str = "absolute"
+
+    def __post_init__(self) -> None:
+        check_positive("calibration", "every", self.every)
+        if not 0 <= self.ema < 1:
+            raise ConfigError(f"calibration.ema={self.ema} must be in [0, 1)")
+        if not 0 < self.range_lo <= 1 <= self.range_hi:
+            raise ConfigError(
+                f"calibration.range_lo={self.range_lo}, range_hi={self.range_hi}: "
+                "need 0 < range_lo <= 1 <= range_hi"
+            )
+        check_choice("calibration", "mode", self.mode, ("track", "hold"))
+        check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile", "plain"))
+        check_choice("calibration", "balance", self.balance, ("absolute", "relative"))
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    # Devices per axis of the (data, fsdp, tensor) mesh (jfp8rl.parallel.mesh); one may be -1 = the
+    # remaining devices. data: params replicated, samples split; fsdp: params and optimizer
+    # state sharded (models.sharding), samples split; tensor: attention/MLP projections split.
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, v in sizes.items():
+            if v == 0 or v < -1:
+                raise ConfigError(f"train.mesh.{name}={v} must be a positive int or -1 (the rest)")
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise ConfigError(
+                f"train.mesh={sizes}: at most one axis may be -1 (the remaining devices)"
+            )
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # FP8 recipe of the trainer's forward/backward (models.fp8.get_recipe names).
+    recipe: str = "fp8_block"
+    # Format of the output gradient, the operand the backward GEMMs (dgrad and wgrad) quantize,
+    # of an FP8 train.recipe: "e4m3" (as the forward) or "e5m2" (wider range, 2 mantissa bits:
+    # the usual FP8 training choice for gradients). The BF16 recipe has no FP8 gradient.
+    grad_format: str = "e4m3"
+    steps: int = 60
+    ppo_epochs: int = 1
+    # Mini-batches per PPO epoch (each one optimizer update); must divide the sample count.
+    mini_batches: int = 4
+    # Sequences per forward/backward (gradients accumulated over a mini-batch's micro-batches
+    # in one program, `prepare` runs micro-batch by micro-batch); 0 = the whole mini-batch.
+    # Must divide the mini-batch and be a multiple of train.mesh data x fsdp.
+    micro_batch_size: int = 0
+    seed: int = 0
+    # Greedy accuracy on the eval set every `eval_every` steps (0 = only before and after).
+    eval_every: int = 20
+    # Non-finite loss, grads or updated params skip the update; this many in a row stop the run.
+    max_nonfinite: int = 3
+    # Stop after this many steps even if train.steps is larger (tests of resume); 0 = off.
+    stop_after: int = 0
+    # JAX persistent compilation cache folder (reruns skip compiling); empty = off.
+    jax_cache_dir: str = ""
+    # The device mesh; the default is a single device.
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("train", "recipe", self.recipe, RECIPES)
+        check_choice("train", "grad_format", self.grad_format, ("e4m3", "e5m2"))
+        if self.recipe == "bf16" and self.grad_format != "e4m3":
+            raise ConfigError(
+                f"train.grad_format={self.grad_format} needs an FP8 train.recipe (bf16 has no FP8 "
+                "gradient); set train.recipe=fp8_tensor|fp8_row|fp8_block or train.grad_format=e4m3"
+            )
+        check_positive("train", "steps", self.steps)
+        check_positive("train", "ppo_epochs", self.ppo_epochs)
+        check_positive("train", "mini_batches", self.mini_batches)
+        check_positive("train", "micro_batch_size", self.micro_batch_size, allow_zero=True)
+        check_positive("train", "eval_every", self.eval_every, allow_zero=True)
+        check_positive("train", "max_nonfinite", self.max_nonfinite)
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    # AdamW on FP32 masters, global-norm clip, linear warmup then constant.
+    lr: float = 2e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        check_positive("optim", "lr", self.lr)
+        check_positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        check_positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        check_positive("optim", "grad_clip", self.grad_clip)
+        check_positive("optim", "eps", self.eps)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    # Save every `every` steps and at the end; keep the newest `keep`.
+    every: int = 20
+    keep: int = 2
+    # Write the final policy as an HF folder `<run_dir>/hf_final` (vLLM can serve it).
+    export_hf: bool = True
+
+    def __post_init__(self) -> None:
+        check_positive("checkpoint", "every", self.every)
+        check_positive("checkpoint", "keep", self.keep)
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    # Samples per eval problem and their temperature (jfp8rl/trainer/evaluation.py): eval/accuracy is the
+    # mean accuracy over all samples (greedy accuracy at temperature 0, avg@n otherwise).
+    n: int = 1
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_positive("eval", "n", self.n)
+        check_positive("eval", "temperature", self.temperature, allow_zero=True)
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"eval.n={self.n} with eval.temperature=0: greedy samples are identical; "
+                "set eval.temperature > 0 (e.g. 0.6) or eval.n=1"
+            )
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    # "line": one line per step with rate and ETA; "none": silent (metrics.jsonl still written).
+    console: str = "line"
+    tensorboard: bool = True
+    # Samples per step written to <run_dir>/rollouts/step_<step>.jsonl (jfp8rl/observe/rollout_dump.py),
+    # rounded up to whole groups of rollout.n; 0 = none.
+    rollout_samples: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("logging", "console", self.console, ("line", "none"))
+        check_positive("logging", "rollout_samples", self.rollout_samples, allow_zero=True)

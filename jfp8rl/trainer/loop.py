@@ -1,0 +1,200 @@
+"""The RL loop: `run(cfg)` drives one run folder from start or resume.
+
+`setup` builds a `Trainer` (policy, rollout backend, mesh, compiled step programs, checkpoint
+manager, metrics sinks) and the sharded train state; then every step runs the stages of
+`jfp8rl.trainer.stages` in order (rollout, prepare, update, sync, log, checkpoint), and
+`finish` writes the final HF folder and the run summary. The command is `jfp8rl.train`.
+
+Determinism: prompts come from `jfp8rl.data.stream.PromptStream` at the checkpointed position,
+rollout seeds and mini-batch shuffles are derived from (train.seed, step, epoch), so a resumed
+run repeats an uninterrupted one exactly on CPU (tests/jfp8rl/trainer/test_train_e2e.py).
+
+Failures: a rollout backend error (server gone, stale weights, malformed answer) or
+`train.max_nonfinite` steps in a row whose updates were all skipped raise `RunStopped`,
+naming the last checkpoint (saves are synchronous and atomic) and the resume command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jfp8rl.config import Config, ConfigError, save_config
+from jfp8rl.data.rewards import get_verifier
+from jfp8rl.data.stream import PromptStream, build_datasets
+from jfp8rl.data.templates import PromptFormat
+from jfp8rl.observe.memory import log_memory
+from jfp8rl.observe.metrics import MetricsLogger, read_metrics
+from jfp8rl.parallel import distributed
+from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.backends import make_backend
+from jfp8rl.trainer.checkpoint import Checkpointer
+from jfp8rl.trainer.errors import RunStopped, resume_hint
+from jfp8rl.trainer.policy import Policy, load_policy
+from jfp8rl.trainer.settings import build_mesh, rollout_settings, step_settings
+from jfp8rl.trainer.stages import (
+    log_base_eval,
+    stage_checkpoint,
+    stage_export,
+    stage_sync,
+    train_step,
+)
+from jfp8rl.trainer.state import Progress, Trainer, build_state
+from jfp8rl.trainer.step import make_step_fns
+from rollout_bridge.backend import RolloutBackend, RolloutError
+
+
+def open_run_dir(cfg: Config) -> Path:
+    """Creates the run folder; points JAX's persistent compilation cache at
+    `train.jax_cache_dir` when set."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.train.jax_cache_dir:
+        jax.config.update(
+            "jax_compilation_cache_dir", str(Path(cfg.train.jax_cache_dir).absolute())
+        )
+    return run_dir
+
+
+def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpointer, int | None]:
+    """The run's checkpoint manager and its latest step; enforces `--resume` / `--fresh`."""
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
+    latest = ckpt.latest_step()
+    if resume == "require" and latest is None:
+        ckpt.close()
+        raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
+    if resume == "never" and latest is not None:
+        ckpt.close()
+        raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
+    return ckpt, latest
+
+
+def build_trainer(
+    cfg: Config, log: Any, policy: Policy, mesh: jax.sharding.Mesh, ckpt: Checkpointer
+) -> Trainer:
+    """Data, prompt format, step programs; the backend and metrics sinks come later
+    (`connect_backend`, `open_metrics`)."""
+    d = cfg.data
+    train_set, eval_set = build_datasets(
+        d.task, d.train_file, d.eval_file, d.max_digits, d.eval_size,
+        prompt_key=d.prompt_key, answer_key=d.answer_key,
+    )  # fmt: skip
+    settings, opt = step_settings(cfg)
+    layout = mesh_lib.param_layout(mesh, policy.cfg, policy.params)
+    fns = make_step_fns(policy.graphdef, settings, opt, layout)
+    return Trainer(
+        cfg=cfg, log=log, policy=policy, backend=None, fns=fns, mesh=mesh,  # type: ignore[arg-type]
+        settings=settings, ckpt=ckpt, metrics=None, verifier=get_verifier(cfg.reward.kind),  # type: ignore[arg-type]
+        stream=PromptStream(train_set, d.seed), eval_set=eval_set,
+        fmt=PromptFormat.from_config(policy.path, policy.tokenizer, d),
+        rollout_settings=rollout_settings(cfg), ref_params=None,
+    )  # fmt: skip
+
+
+def connect_backend(t: Trainer, latest: int | None) -> RolloutBackend:
+    """`make_backend`, its failure turned into `RunStopped` naming the last checkpoint."""
+    try:
+        return make_backend(t.cfg, t.policy, Path(t.cfg.run_dir))
+    except RolloutError as e:
+        t.ckpt.close()
+        last = latest if latest is not None else "none yet"
+        raise RunStopped(f"{e}\nLast checkpoint: {last}; resume: {resume_hint(t.cfg)}") from e
+
+
+def open_metrics(t: Trainer, p: Progress, out: Any) -> MetricsLogger:
+    """The metrics sinks (jsonl, console, TensorBoard), counting from step `p.step`."""
+    lg = t.cfg.logging
+    return MetricsLogger(
+        Path(t.cfg.run_dir), total_steps=t.cfg.train.steps, start_step=p.step,
+        tensorboard=lg.tensorboard, console=lg.console != "none", stream=out,
+    )  # fmt: skip
+
+
+def setup(
+    cfg: Config, resume: str, log: Any, out: Any
+) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
+    """Builds the trainer and its state (fresh or from the latest checkpoint), stage by stage."""
+    run_dir = open_run_dir(cfg)
+    mesh = build_mesh(cfg)
+    policy = load_policy(cfg, log, mesh)
+    log_memory(log, "loaded")
+    ckpt, latest = open_checkpoints(cfg, run_dir, resume)
+    if distributed.is_main():
+        save_config(cfg, run_dir)
+    t = build_trainer(cfg, log, policy, mesh, ckpt)
+    state, p = build_state(t, latest)
+    log_memory(log, "state")
+    # Process 0 alone talks to the backend and writes metrics (None on the others).
+    t.backend = distributed.on_main(lambda: connect_backend(t, latest))  # type: ignore[assignment]
+    t.metrics = open_metrics(t, p, out) if distributed.is_main() else None  # type: ignore[assignment]
+    return t, state, p, latest
+
+
+def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
+    """The first sync (and at step 0 the base policy's eval and checkpoint), then the steps
+    up to `stop_at`; a rollout backend failure becomes `RunStopped`."""
+    try:
+        stage_sync(t, state, p.step)
+        log_memory(t.log, f"sync {p.step}")
+        if p.step == 0:
+            distributed.on_main(lambda: log_base_eval(t))
+            log_memory(t.log, "eval 0")
+            stage_checkpoint(t, state, p, force=True)
+            log_memory(t.log, "checkpoint 0")
+        while p.step < stop_at:
+            train_step(t, state, p, stop_at)
+    except RolloutError as e:
+        last = t.ckpt.latest_step()
+        raise RunStopped(
+            f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
+            f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
+            + resume_hint(t.cfg)
+        ) from e
+
+
+def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> dict[str, Any]:
+    """The final HF export (when configured) and the run summary (summary.json)."""
+    cfg, run_dir = t.cfg, Path(t.cfg.run_dir)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
+    if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
+        summary["hf_final"] = str(stage_export(t, state, p))
+    if not distributed.is_main():
+        return summary
+    recs = read_metrics(run_dir)
+    evals = [(r["step"], r["eval/accuracy"]) for r in recs if r.get("eval/accuracy") is not None]
+    wall_s = time.perf_counter() - t_start
+    summary.update({"steps": p.step, "eval_accuracy": evals, "wall_s_this_invocation": wall_s})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if evals:
+        t.log(
+            f"done: step {p.step}, greedy eval accuracy {evals[0][1]:.3f} (step {evals[0][0]}) -> "
+            f"{evals[-1][1]:.3f} (step {evals[-1][0]}); run folder {run_dir}"
+        )
+    return summary
+
+
+def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, Any]:
+    """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json)."""
+    t_start = time.perf_counter()
+    out = stream or sys.stdout
+    console = cfg.logging.console != "none" and distributed.is_main()
+
+    def log(msg: str) -> None:
+        if console:
+            print(msg, file=out, flush=True)
+
+    t, state, p, _ = setup(cfg, resume, log, out)
+    stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+    try:
+        run_steps(t, state, p, stop_at)
+    finally:
+        if distributed.is_main():
+            t.metrics.close()
+            t.backend.close()
+        t.ckpt.close()
+    return finish(t, state, p, t_start)

@@ -1,0 +1,66 @@
+"""The trainer's settings derived from the config: the jitted step's static settings, the
+rollout settings and the device mesh. Every error names the config key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jfp8rl.config import Config, ConfigError, check_batch_split
+from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.rollout import RolloutSettings
+from jfp8rl.trainer.step import OptimSettings, StepSettings, default_settings
+from losses import calibrated as cal
+from losses.registry import get_algorithm
+
+
+def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
+    """The jitted step's static settings from the config (algorithm, calibration, AdamW)."""
+    a = cfg.algorithm
+    algo = dataclasses.replace(
+        get_algorithm(a.name),
+        eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip or None,
+        use_kl_loss=a.kl_coef > 0, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
+    )  # fmt: skip
+    c = cfg.calibration
+    calib_cfg = cal.CalibConfig(
+        eps_low=a.eps_low, eps_high=a.eps_high, every=c.every, ema=c.ema,
+        range=(c.range_lo, c.range_hi), mode=c.mode, upper_rule=c.upper_rule, balance=c.balance,
+    )  # fmt: skip
+    s = default_settings(
+        algo, train_recipe=cfg.train.recipe, calibrated=a.clip == "calibrated",
+        calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
+        tis_cap=a.tis_cap, group_size=cfg.rollout.n,
+        micro_batch_size=cfg.train.micro_batch_size, grad_format=cfg.train.grad_format,
+    )  # fmt: skip
+    o = cfg.optim
+    updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches
+    opt = OptimSettings(
+        o.lr, o.warmup_steps * updates_per_step, o.weight_decay, o.grad_clip, o.b1, o.b2, o.eps
+    )
+    return s, opt
+
+
+def rollout_settings(cfg: Config) -> RolloutSettings:
+    """What `rollout.collect` needs from the config (batch, sampling, overlong shaping)."""
+    d, r, w = cfg.data, cfg.rollout, cfg.reward
+    return RolloutSettings(
+        batch_size=d.batch_size, n=r.n, max_prompt_tokens=d.max_prompt_tokens,
+        max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        dynamic_sampling=r.dynamic_sampling, max_rounds=r.max_rounds, overlong=w.overlong,
+        overlong_buffer=w.overlong_buffer, overlong_penalty=w.overlong_penalty,
+    )  # fmt: skip
+
+
+def build_mesh(cfg: Config) -> jax.sharding.Mesh:
+    """The configured (data, fsdp, tensor) mesh; errors name `train.mesh`."""
+    m = cfg.train.mesh
+    try:
+        mesh = mesh_lib.make_mesh(m.data, m.fsdp, m.tensor)
+    except ValueError as e:
+        raise ConfigError(
+            f"train.mesh={{data: {m.data}, fsdp: {m.fsdp}, tensor: {m.tensor}}}: {e}"
+        ) from e
+    check_batch_split(cfg, mesh_lib.batch_size_divisor(mesh))
+    return mesh

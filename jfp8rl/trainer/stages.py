@@ -1,0 +1,259 @@
+"""The stages of one RL step, each a function of its own (`train_step` runs them in order):
+
+    rollout     B prompts -> n samples each (`jfp8rl.trainer.rollout.collect`: rewards, DAPO
+                dynamic sampling)
+    prepare     `step.prepare`: old logprobs under the training recipe (BF16 shadow on
+                calibration steps), advantages, TIS weights
+    update      PPO epochs x mini-batches of `step.update` (calibrated or plain bounds, AdamW)
+    sync        push the new weights to the rollout backend (version "step-<k>")
+    log         step metrics (+ greedy eval) to every sink
+    checkpoint  every `checkpoint.every` steps, and at the end
+
+and `stage_export`, the final HF folder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jfp8rl.config import to_yaml
+from jfp8rl.data.batch import RolloutBatch
+from jfp8rl.observe.memory import log_memory
+from jfp8rl.observe.rollout_dump import write_rollouts
+from jfp8rl.parallel import distributed
+from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.backends import push_format, push_params, version
+from jfp8rl.trainer.errors import RunStopped, resume_hint
+from jfp8rl.trainer.evaluation import evaluate
+from jfp8rl.trainer.policy import save_policy_folder
+from jfp8rl.trainer.rollout import collect
+from jfp8rl.trainer.state import Progress, Trainer, buffer_view
+from jfp8rl.trainer.step import CALIBRATION_ONLY, UPDATE_INPUTS
+from models.hf_io import iter_hf_state
+from models.sharding import host_array
+
+
+def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """n samples for each of the step's B prompts, with rewards; advances the data position.
+    Process 0 collects; every process gets the batch arrays (`distributed.share_rollout`)."""
+    seed = t.cfg.train.seed * 1_000_003 + step * 101
+
+    def collect_on_main() -> tuple[RolloutBatch, int, dict[str, float]]:
+        return collect(
+            t.backend, t.stream, p.position, t.fmt, t.verifier, t.rollout_settings,
+            seed=seed, version=version(step - 1),
+        )  # fmt: skip
+
+    batch, p.position, rstats = distributed.share_rollout(collect_on_main)
+    return batch, rstats
+
+
+def stage_prepare(
+    t: Trainer, state: dict[str, Any], batch: RolloutBatch, calibrate: bool
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """(the per-sample arrays the update reads, on host; prepare's metrics)."""
+    host = {
+        "tokens": batch.tokens,
+        "attention_mask": batch.attention_mask,
+        "prompt_lens": batch.prompt_lens,
+        "response_mask": batch.response_mask,
+        "rollout_logp": batch.rollout_logp,
+        "rewards": batch.rewards,
+        "response_lens": batch.response_lens,
+    }
+    out, mets = t.fns.prepare(
+        state["params"], t.ref_params, mesh_lib.put_batch(host, t.mesh), calibrate
+    )
+    full = {k: host[k] for k in UPDATE_INPUTS} | {k: host_array(v) for k, v in out.items()}
+    return full, {k: float(v) for k, v in mets.items()}
+
+
+def stage_update(
+    t: Trainer, state: dict[str, Any], full: dict[str, np.ndarray], step: int, calibrate: bool
+) -> list[dict[str, float]]:
+    """PPO epochs x mini-batches of optimizer updates (in place on `state`); their metrics."""
+    tc = t.cfg.train
+    n_samples = full["tokens"].shape[0]
+    mb_size = n_samples // tc.mini_batches
+    updates_per_step = tc.ppo_epochs * tc.mini_batches
+    state["rng"] = jax.random.key_data(
+        jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+    )
+    upd: list[dict[str, float]] = []
+    for epoch in range(tc.ppo_epochs):
+        perm = np.random.default_rng([tc.seed, step, epoch]).permutation(n_samples)
+        for m in range(tc.mini_batches):
+            # On a calibration step every mini-batch but the very first calibrates: the first
+            # one's ratios are all 1 (on-policy) and carry no FP8 noise.
+            on_policy = epoch == 0 and m == 0  # params still equal the old params
+            calib_mb = calibrate and not (on_policy and updates_per_step > 1)
+            idx = perm[m * mb_size : (m + 1) * mb_size]
+            # Only a calibrating program reads the BF16 shadow logprobs.
+            mb = {k: v[idx] for k, v in full.items() if calib_mb or k != "old_logp_bf16"}
+            sub = {k: state[k] for k in ("params", "opt_state", "calib")}
+            new, mets = t.fns.update(sub, mesh_lib.put_batch(mb, t.mesh), calib_mb, on_policy)
+            state.update(new)
+            mets = {k: float(v) for k, v in mets.items()}
+            if not calib_mb:  # reference stats exist on calibrating mini-batches only
+                mets = {k: v for k, v in mets.items() if k not in CALIBRATION_ONLY}
+            upd.append(mets)
+    return upd
+
+
+def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
+    """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
+    t0 = time.perf_counter()
+    push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(t.cfg.rollout))
+    return time.perf_counter() - t0
+
+
+def run_eval(t: Trainer) -> float:
+    """avg@`eval.n` accuracy (greedy at `eval.temperature` 0) of the backend's current weights
+    on the eval set."""
+    c = t.cfg
+    return evaluate(
+        t.backend, t.eval_set, t.fmt, t.verifier, n=c.eval.n, temperature=c.eval.temperature,
+        max_prompt_tokens=c.data.max_prompt_tokens, max_tokens=c.rollout.max_tokens,
+        chunk=c.data.batch_size * c.rollout.n,
+    ).avg  # fmt: skip
+
+
+def step_metrics(
+    t: Trainer,
+    p: Progress,
+    batch: RolloutBatch,
+    rstats: dict[str, float],
+    prep: dict[str, float],
+    upd: list[dict[str, float]],
+    timings: dict[str, float],
+) -> dict[str, float]:
+    """One step's record: prepare's metrics, the mean over updates, rollout stats, timings.
+    Updates `p.carried` (calibration-only stats) and `p.nonfinite_run`."""
+    out = dict(prep)
+    for k in set().union(*upd) - set(prep):  # entropy: all tokens, from prepare
+        out[k] = float(np.mean([u[k] for u in upd if k in u]))
+    # BF16 reference stats exist on calibration steps only; between calibrations the last
+    # ones stay in force, so log those (as calib/alpha is, from the state).
+    for k in CALIBRATION_ONLY:
+        if k in out:
+            p.carried[k] = out[k]
+        elif k in p.carried:
+            out[k] = p.carried[k]
+    skipped = sum(u["actor/nonfinite"] for u in upd)
+    p.nonfinite_run = p.nonfinite_run + 1 if skipped == len(upd) else 0
+    o = t.cfg.optim
+    wall = timings["step_s"]
+    out.update(
+        {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/accuracy": float(batch.correct.mean()),
+            "response_length/mean": float(batch.response_lens.mean()),
+            "response_length/clip_ratio": float(batch.truncated.mean()),
+            "actor/nonfinite_updates": float(skipped),
+            "actor/lr": float(o.lr * min(1.0, p.step / max(o.warmup_steps, 1))),
+            "data/kept_samples": float(batch.response_mask.any(axis=1).sum()),
+            **{f"timing/{k}": v for k, v in timings.items()},
+            "throughput/tokens_per_s": int(batch.attention_mask.sum()) / wall,
+            **rstats,
+        }
+    )
+    return out
+
+
+def stage_log(t: Trainer, p: Progress, record: dict[str, float]) -> None:
+    """Adds the greedy eval when due and writes the record to every sink (process 0)."""
+    every, last = t.cfg.train.eval_every, t.cfg.train.steps
+
+    def log_on_main() -> None:
+        if p.step == last or (every and p.step % every == 0):
+            record["eval/accuracy"] = run_eval(t)
+        t.metrics.log(p.step, record)
+
+    distributed.on_main(log_on_main)
+
+
+def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool = False) -> None:
+    """Saves checkpoint `p.step` when due (every `checkpoint.every` steps) or `force`d."""
+    if not (force or p.step % t.cfg.checkpoint.every == 0):
+        return
+    meta = {
+        "step": p.step,
+        "data_position": p.position,
+        "nonfinite_run": p.nonfinite_run,
+        "weight_version": version(p.step),
+        "carried": dict(p.carried),
+        "config": to_yaml(t.cfg),
+    }
+    t.ckpt.save(p.step, jax.tree.map(buffer_view, state), meta)
+
+
+def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
+    """One RL step, stage by stage (module docstring); advances `p` and `state` in place."""
+    p.step += 1
+    t0 = time.perf_counter()
+    batch, rstats = stage_rollout(t, p, p.step)
+    t_roll = time.perf_counter() - t0
+    log_memory(t.log, f"rollout {p.step}")
+    t1 = time.perf_counter()
+    calibrate = t.is_calibration_step(p.step)
+    full, prep = stage_prepare(t, state, batch, calibrate)
+    if t.cfg.logging.rollout_samples and distributed.is_main():
+        write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
+                       t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip
+    log_memory(t.log, f"prepare {p.step}")
+    upd = stage_update(t, state, full, p.step, calibrate)
+    t_train = time.perf_counter() - t1
+    log_memory(t.log, f"update {p.step}")
+    t_sync = stage_sync(t, state, p.step)
+    log_memory(t.log, f"sync {p.step}")
+    timings = {
+        "rollout_s": t_roll,
+        "train_s": t_train,
+        "sync_s": t_sync,
+        "step_s": time.perf_counter() - t0,
+    }
+    stage_log(t, p, step_metrics(t, p, batch, rstats, prep, upd, timings))
+    stage_checkpoint(t, state, p, force=p.step == stop_at)
+    if p.nonfinite_run >= t.cfg.train.max_nonfinite:
+        stage_checkpoint(t, state, p, force=True)
+        raise RunStopped(
+            f"{p.nonfinite_run} steps in a row had only non-finite losses/gradients "
+            f"(updates skipped); stopped at step {p.step} with checkpoint "
+            f"{t.ckpt.directory}/{p.step}. Lower optim.lr or check the data, then resume: "
+            + resume_hint(t.cfg)
+        )
+
+
+def log_base_eval(t: Trainer) -> None:
+    """Step 0's record: the base policy's greedy eval accuracy."""
+    acc0 = run_eval(t)
+    t.metrics.log(0, {"eval/accuracy": acc0})
+    n = len(t.eval_set)
+    t.log(f"base policy {t.policy.path}: greedy eval accuracy {acc0:.3f} on {n} prompts")
+
+
+def stage_export(t: Trainer, state: dict[str, Any], p: Progress) -> Path:
+    """Writes the final params as `<run_dir>/hf_final` (process 0; the others take part in
+    its per-tensor gathers, all of them even when the write fails part-way). A failed write
+    raises `RunStopped` on every process, naming the folder and the export command."""
+    run_dir = Path(t.cfg.run_dir)
+    hf_dir = run_dir / "hf_final"
+
+    def write(tensors: Iterator[tuple[str, np.ndarray]]) -> None:
+        try:
+            save_policy_folder(hf_dir, t.policy, state["params"], tensors)
+        except OSError as e:
+            raise RunStopped(
+                f"the final HF export to {hf_dir} failed ({e}); the run itself is complete, "
+                f"with checkpoint {t.ckpt.directory}/{p.step}. Free the folder, then write "
+                f"the export: python -m jfp8rl.export {run_dir} --step {p.step}"
+            ) from e
+
+    distributed.consume_on_main(write, iter_hf_state(t.policy.cfg, state["params"]))
+    return hf_dir

@@ -1,0 +1,460 @@
+"""The pure, jitted parts of one RL step (DESIGN.md sections 7 and 9).
+
+`make_step_fns` closes over everything static (graphdef, recipes, algorithm, calibration
+config, optimizer, mesh layout) and returns jitted programs with explicit in/out shardings:
+
+* `prepare(params, ref_params, batch)` -> (per-sample outputs, metrics): behaviour ("old")
+  logprobs of the sampled tokens under the TRAINING recipe, their entropy, (KL) the reference
+  logprobs, and on calibration steps only the BF16 shadow old logprobs; group advantages;
+  rollout-correction weights (TIS/MIS); trainer-vs-rollout mismatch metrics. Response-aligned
+  [N, R]. The forwards run micro-batch by micro-batch (`lax.map`), so activations are bounded
+  by `micro_batch_size` sequences whatever the step's batch.
+* `update(state, mb, on_policy)` -> (state, metrics): one mini-batch: gradients accumulated
+  over its micro-batches inside one program (`lax.scan`), then one optax update of the FP32
+  masters (skipped, state unchanged, when the loss, a gradient or a new param would not be
+  finite: decided before anything is written, so the donated state is updated in place).
+
+Calibrating and non-calibrating steps are separate executables (`calibrate` is static), so a
+non-calibrating program holds no BF16 forward at all: the paper's two BF16 forwards (old params
+in `prepare`, current params in `update`) run on calibration steps only (PAPER.md; every 20).
+
+Micro-batching (`micro_batch_size` m < mini-batch size n, k = n / m micro-batches). Micro-batch
+j holds the samples j, j + k, j + 2k, ... (a strided split: with the samples sharded in
+contiguous blocks over `data x fsdp`, every micro-batch is spread over all devices). Exact for
+every aggregation mode (`losses.masked`): the loss of micro-batch j is num_j / D with D the
+mini-batch's global denominator (tokens or non-empty sequences), so sum_j loss_j and its
+gradient equal the whole mini-batch's; no per-micro-batch mean is ever averaged. The logged
+loss and metrics are recomputed once on the whole mini-batch from the micro-batches' (stop-
+gradient) logprobs, so quantiles and fractions are global too.
+
+Calibrated Clipping per mini-batch (losses.calibrated): with r8 = exp(logp8 - old8),
+r16 = exp(logp16 - old16) (same params, BF16 recipe, calibration programs only): calibrating
+mini-batch -> `calibrate(state, r8, r16)`; any other -> `current_bounds(state, r8)` (track /
+hold). Bounds are solved once per mini-batch from ALL its tokens' ratios. With one micro-batch
+the ratios come from the loss's own forward (stop-gradient), so nothing runs twice; with
+k > 1 micro-batches the bounds must be known before the first micro-batch's backward, so a
+no-gradient FP8 forward over the micro-batches (and on calibrating mini-batches the BF16 one)
+runs first: +1 forward per mini-batch, the price of exact bounds under gradient accumulation.
+All quantiles and balance sums are reductions inside the jitted program over the global
+(sharded) arrays, so sharding changes their summation order, not their definition.
+
+Train state: {"params", "opt_state", "calib"} (the trainer adds "rng", which no program sees).
+`ref_params` (the base policy, for a KL loss) travels separately because it never changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int
+
+from jfp8rl.parallel.mesh import Layout
+from losses import advantages as adv_lib
+from losses import calibrated as cal
+from losses import rollout_correction as rc
+from losses.masked import agg_denominator
+from losses.registry import Algorithm, compute_loss
+from models import functional as mf
+from models.fp8 import Recipe, get_recipe
+
+# Metrics that only a calibrating mini-batch computes (`losses.calibrated.calibrate`); between
+# calibrations the last values stay in force and are logged as such.
+CALIBRATION_ONLY = (
+    "calib/bf16_clipfrac_neg_lower",
+    "calib/bf16_clipfrac_pos_upper",
+    "calib/balance_bf16",
+)
+# Batch arrays the update reads per mini-batch (rewards / lengths only feed `prepare`).
+UPDATE_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp")
+
+# Batch arrays the model forward reads (the rest are per-token loss inputs).
+MODEL_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask")
+
+
+class StepSettings(NamedTuple):
+    """Static settings of the jitted functions (from the config)."""
+
+    train_recipe: Recipe
+    shadow_recipe: Recipe  # BF16 recipe of the calibration shadow pass
+    algo: Algorithm
+    calibrated: bool
+    calib_cfg: cal.CalibConfig
+    correction: str  # tis | mis | none
+    correction_level: str
+    tis_cap: float
+    group_size: int
+    micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole (mini-)batch
+
+
+def gather_response(
+    x_NxT: Float[Array, "N T"], prompt_lens_N: Int[Array, " N"], resp_len: int
+) -> Float[Array, "N R"]:
+    """Moves per-token values of `tokens` ([N, P + R], right padded) to the response-aligned
+    layout [N, R]: out[i, j] = x[i, prompt_lens[i] + j] (positions past T read the last one and
+    are masked by the response mask anyway)."""
+    idx = prompt_lens_N[:, None] + jnp.arange(resp_len)[None, :]
+    idx = jnp.minimum(idx, x_NxT.shape[1] - 1)
+    return jnp.take_along_axis(x_NxT, idx, axis=1)
+
+
+def response_logprobs(
+    graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe
+) -> tuple[Float[Array, "N R"], Float[Array, "N R"]]:
+    """(logp, entropy) of the response tokens under `recipe`, response-aligned."""
+    lp, ent = mf.token_logprobs_and_entropy(
+        graphdef, params, batch["tokens"], batch["attention_mask"], recipe=recipe
+    )
+    r = batch["response_mask"].shape[1]
+    return (
+        gather_response(lp, batch["prompt_lens"], r),
+        gather_response(ent, batch["prompt_lens"], r),
+    )
+
+
+def num_micro_batches(n: int, micro_batch_size: int) -> int:
+    """k = n / micro_batch_size (1 when micro_batch_size is 0 or >= n); n must divide evenly."""
+    if micro_batch_size <= 0 or micro_batch_size >= n:
+        return 1
+    if n % micro_batch_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch of {n}")
+    return n // micro_batch_size
+
+
+def split_micro(tree: Any, k: int) -> Any:
+    """[N, ...] leaves -> [k, N / k, ...]; micro-batch j = samples j, j + k, j + 2k, ..."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), tree)
+
+
+def merge_micro(tree: Any) -> Any:
+    """Inverse of `split_micro`: [k, N / k, ...] -> [N, ...] in the original sample order."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def constrain(tree: Any, sharding: Any) -> Any:
+    """`with_sharding_constraint` on every leaf (no-op when `sharding` is None)."""
+    if sharding is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+
+def map_micro(fn: Callable[[Any], Any], batch: Any, k: int, sharding: Any = None) -> Any:
+    """`fn` over the k micro-batches of `batch` (one at a time, `lax.map`), outputs merged
+    back to [N, ...]; k == 1 calls `fn` once on the whole batch. `sharding`: the batch
+    sharding each micro-batch keeps inside the loop (XLA's propagation would otherwise
+    replicate a loop's slices: measured, a whole 8 x 16K micro-batch on every device)."""
+    if k == 1:
+        return fn(batch)
+    return merge_micro(jax.lax.map(lambda m: fn(constrain(m, sharding)), split_micro(batch, k)))
+
+
+class OptimSettings(NamedTuple):
+    """AdamW hyperparameters (hashable, so the jitted step can be cached per setting)."""
+
+    lr: float
+    warmup_updates: int
+    weight_decay: float
+    grad_clip: float
+    b1: float
+    b2: float
+    eps: float = 1e-8  # Adam's epsilon (optax / torch default)
+
+
+def make_optimizer(o: OptimSettings) -> optax.GradientTransformation:
+    """Global-norm clip, then AdamW with linear warmup over `o.warmup_updates` optimizer
+    updates (then constant), on the FP32 masters."""
+    sched = optax.linear_schedule(0.0, o.lr, o.warmup_updates) if o.warmup_updates > 0 else o.lr
+    return optax.chain(
+        optax.clip_by_global_norm(o.grad_clip),
+        optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
+    )
+
+
+def _mean_metrics(aux: dict[str, Array]) -> dict[str, Array]:
+    # Raw sums (`*/sum/*`, `*_num`, `*_den`) are for reductions across shards, not logs.
+    return {
+        k: jnp.asarray(v, jnp.float32)
+        for k, v in aux.items()
+        if "/sum/" not in k and not k.endswith(("_num", "_den"))
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The step's programs. `prepare` / `update` pick the calibrating or the plain executable;
+    `prepare_programs[calibrate]` / `update_programs[calibrate]` are the jitted functions
+    themselves (what `jfp8rl.plan` lowers ahead of time)."""
+
+    prepare_programs: dict[bool, Any]
+    update_programs: dict[bool, Any]
+    optimizer: optax.GradientTransformation
+    layout: Layout
+    # The pure (unjitted) gradient of one mini-batch, for tests:
+    # (params, calib_state, mb, on_policy, calibrate) -> (loss, grads, calib_state, metrics).
+    loss_and_grads: Callable[..., Any]
+
+    def mesh_context(self) -> Any:
+        """Trace under this: the model reads the mesh (`jax.sharding.get_abstract_mesh`) to
+        keep its activations split over the batch axes."""
+        return jax.set_mesh(self.layout.mesh)
+
+    def prepare(
+        self, params: Any, ref_params: Any, batch: dict[str, Array], calibrate: bool = False
+    ) -> tuple[dict[str, Array], dict[str, Array]]:
+        with self.mesh_context():
+            return self.prepare_programs[bool(calibrate)](params, ref_params, batch)
+
+    def update(
+        self, state: dict[str, Any], mb: dict[str, Array], calibrate: bool, on_policy: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Array]]:
+        with self.mesh_context():
+            return self.update_programs[bool(calibrate)](state, mb, jnp.asarray(on_policy))
+
+    def state_shardings(self, calib_state: Any) -> dict[str, Any]:
+        """Shardings of the train state {"params", "opt_state", "calib"}."""
+        rep = self.layout.replicated()
+        return {
+            "params": self.layout.params(),
+            "opt_state": self.layout.opt_state(self.optimizer),
+            "calib": jax.tree.map(lambda _: rep, calib_state),
+        }
+
+
+@functools.lru_cache(maxsize=8)
+def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: Layout) -> StepFns:
+    """The jitted `prepare` and `update` (module docstring), sharded by `layout`.
+
+    Cached on its (hashable) arguments, so runs in one process with the same settings (a
+    resume, the tests) reuse the compiled executables.
+    """
+    rep, dat, param_sh = layout.replicated(), layout.batch(), layout.params()
+    optimizer = make_optimizer(opt)
+
+    def prepare(params, ref_params, batch, *, calibrate: bool):
+        mask = batch["response_mask"]
+        k = num_micro_batches(mask.shape[0], s.micro_batch_size)
+
+        def forwards(mb):
+            out = {}
+            out["old_all"], out["entropy"] = response_logprobs(graphdef, params, mb, s.train_recipe)
+            if calibrate:
+                out["old_bf16"] = response_logprobs(graphdef, params, mb, s.shadow_recipe)[0]
+            if ref_params is not None:
+                out["ref"] = response_logprobs(graphdef, ref_params, mb, s.train_recipe)[0]
+            return out
+
+        f = map_micro(forwards, {n: batch[n] for n in MODEL_INPUTS}, k, dat)
+        old_all, ent = f["old_all"], f["entropy"]
+        resp_len = mask.shape[1]
+        valid = (jnp.arange(resp_len)[None, :] < batch["response_lens"][:, None]).astype(
+            jnp.float32
+        )
+        old = jnp.where(mask != 0, old_all, 0.0)
+        adv = adv_lib.compute_advantages(s.algo.adv_estimator, batch["rewards"], s.group_size)
+        w, is_aux = rc.is_weights(
+            old, batch["rollout_logp"], mask,
+            mode=s.correction, level=s.correction_level, cap=s.tis_cap,
+        )  # fmt: skip
+        out = {
+            "old_logp": old,
+            "advantages": adv_lib.broadcast_to_tokens(adv, mask),
+            "is_weights": w,
+        }
+        if calibrate:
+            out["old_logp_bf16"] = jnp.where(mask != 0, f["old_bf16"], 0.0)
+        if ref_params is not None:
+            out["ref_logp"] = jnp.where(mask != 0, f["ref"], 0.0)
+        metrics = {
+            **_mean_metrics(is_aux),
+            # Mismatch and entropy over every sampled token, including groups that dynamic
+            # sampling left out of the loss.
+            **rc.mismatch_metrics(old_all, batch["rollout_logp"], valid),
+            "actor/entropy": jnp.sum(ent * valid) / jnp.maximum(jnp.sum(valid), 1.0),
+        }
+        return out, metrics
+
+    def bounds(calib_state, logp8, logp16, mb, on_policy, calibrate):
+        """(calib_state, lo, hi, metrics) for this mini-batch; no gradient flows through.
+        logp8 / logp16: the whole mini-batch's FP8 / BF16 (calibrating only) logprobs."""
+        mask, adv = mb["response_mask"], mb["advantages"]
+        if not s.calibrated:
+            lo, hi = s.algo.plain_bounds
+            return calib_state, jnp.float32(lo), jnp.float32(hi), {}
+        r8 = jnp.exp(jnp.clip(jax.lax.stop_gradient(logp8) - mb["old_logp"], -20.0, 20.0))
+        if calibrate:
+            r16 = jnp.exp(jnp.clip(logp16 - mb["old_logp_bf16"], -20.0, 20.0))
+            cs, caux = cal.calibrate(calib_state, s.calib_cfg, r8, r16, adv, mask)
+            return cs, cs.lower, cs.upper, caux
+        # An on-policy mini-batch's ratios are 1 only up to the rounding of two compiled
+        # programs (device count, jax version): never solve bounds from that noise.
+        return cal.current_bounds(calib_state, s.calib_cfg, r8, adv, mask, on_policy=on_policy)
+
+    def loss_terms(
+        logp, ent, mb, lo, hi, denominator=None, ratio_quantiles=(0.01, 0.1, 0.5, 0.9, 0.99)
+    ):
+        return compute_loss(
+            s.algo, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"],
+            mask=mb["response_mask"], lo=lo, hi=hi, is_weights=mb["is_weights"],
+            ref_logp=mb.get("ref_logp"), entropy=ent, denominator=denominator,
+            ratio_quantiles=ratio_quantiles,
+        )  # fmt: skip
+
+    def grads_whole(params, calib_state, mb, on_policy, calibrate):
+        """One micro-batch: one forward serves the bounds (stop-gradient ratios at the current
+        params, i.e. before this update) and the loss."""
+
+        def loss_fn(p):
+            logp, ent = response_logprobs(graphdef, p, mb, s.train_recipe)
+            logp16 = None
+            if calibrate:
+                logp16 = response_logprobs(graphdef, jax.lax.stop_gradient(p), mb, s.shadow_recipe)[
+                    0
+                ]
+            cs, lo, hi, caux = bounds(calib_state, logp, logp16, mb, on_policy, calibrate)
+            loss, aux = loss_terms(logp, ent, mb, lo, hi)
+            return loss, (cs, {**caux, **_mean_metrics(aux), "calib/lower": lo, "calib/upper": hi})
+
+        (loss, (cs, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, grads, cs, metrics
+
+    def grads_accumulated(params, calib_state, mb, on_policy, calibrate, k):
+        """k micro-batches: bounds from a no-gradient pre-pass, then sum_j grad(num_j / D)."""
+        sg_params = jax.lax.stop_gradient(params)
+        model_mb = {n: mb[n] for n in MODEL_INPUTS}
+        logp16 = None
+        if s.calibrated:
+
+            def pre(m):
+                out = {"fp8": response_logprobs(graphdef, sg_params, m, s.train_recipe)[0]}
+                if calibrate:
+                    out["bf16"] = response_logprobs(graphdef, sg_params, m, s.shadow_recipe)[0]
+                return out
+
+            pre_out = map_micro(pre, model_mb, k, dat)
+            logp16 = pre_out.get("bf16")
+            cs, lo, hi, caux = bounds(calib_state, pre_out["fp8"], logp16, mb, on_policy, calibrate)
+        else:
+            cs, lo, hi, caux = bounds(calib_state, None, None, mb, on_policy, calibrate)
+        den = agg_denominator(mb["response_mask"], s.algo.agg_mode)
+
+        def micro(acc, m):
+            m = constrain(m, dat)
+
+            def loss_fn(p):
+                logp, ent = response_logprobs(graphdef, p, m, s.train_recipe)
+                loss, _ = loss_terms(logp, ent, m, lo, hi, denominator=den, ratio_quantiles=())
+                return loss, (logp, ent)
+
+            (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+            acc = jax.tree.map(jnp.add, acc, g)
+            # The accumulator lives in the params' sharding (no gathered gradient).
+            acc = jax.lax.with_sharding_constraint(acc, param_sh)
+            return acc, (jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent))
+
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_sh)
+        grads, (logp_k, ent_k) = jax.lax.scan(micro, zeros, split_micro(mb, k))
+        logp, ent = merge_micro(logp_k), merge_micro(ent_k)
+        # The logged loss and metrics from the whole mini-batch at once (no model call).
+        loss, aux = loss_terms(logp, ent, mb, lo, hi)
+        metrics = {**caux, **_mean_metrics(aux), "calib/lower": lo, "calib/upper": hi}
+        return loss, grads, cs, metrics
+
+    def loss_and_grads(params, calib_state, mb, on_policy, calibrate):
+        """(loss, grads, new calib state, metrics) of one mini-batch, micro-batched."""
+        k = num_micro_batches(mb["response_mask"].shape[0], s.micro_batch_size)
+        if k == 1:
+            return grads_whole(params, calib_state, mb, on_policy, calibrate)
+        return grads_accumulated(params, calib_state, mb, on_policy, calibrate, k)
+
+    def update(state, mb, on_policy, *, calibrate: bool):
+        params, opt_state = state["params"], state["opt_state"]
+        loss, grads, calib_state, metrics = loss_and_grads(
+            params, state["calib"], mb, on_policy, calibrate
+        )
+        # Global L2 norm of the gradients before clipping (optax's clip uses the same norm).
+        grad_norm = optax.tree.norm(grads)
+        finite = (
+            jnp.isfinite(loss) & jnp.isfinite(grad_norm) & lands_finite(grads, opt_state, params)
+        )
+
+        # Applied only if finite, inside `cond`: the old state is never needed after the new
+        # one is written, so the donated buffers are updated in place (a `where(finite, new,
+        # old)` guard keeps both copies of params and Adam moments alive: +2 x 8 bytes/param).
+        def apply(_):
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt, calib_state
+
+        new_params, new_opt, new_calib = jax.lax.cond(
+            finite, apply, lambda _: (params, opt_state, state["calib"]), None
+        )
+        new_state = {"params": new_params, "opt_state": new_opt, "calib": new_calib}
+        metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+        metrics["actor/grad_norm"] = grad_norm
+        metrics["actor/nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        return new_state, metrics
+
+    def lands_finite(grads, opt_state, params):
+        """Whether the update would leave every param finite (an overflowing step, e.g. a huge
+        lr, must not poison the weights the rollout serves next). Computed as reductions over
+        `params + updates` that XLA fuses with the optimizer's elementwise math, so no second
+        copy of params or moments is materialised (the `cond` above recomputes the update).
+        With finite grads (and a finite grad norm) the new Adam moments are finite whenever the
+        old ones are, so params are the only thing to check."""
+        updates, _ = optimizer.update(grads, opt_state, params)
+        landed = jax.tree.map(lambda p, u: jnp.all(jnp.isfinite(p + u)), params, updates)
+        return jnp.all(jnp.stack(jax.tree.leaves(landed)))
+
+    variants = (False, True) if s.calibrated else (False,)
+    prepare_programs = {
+        c: jax.jit(
+            functools.partial(prepare, calibrate=c),
+            # ref_params (the KL reference) is None without a KL loss: an empty pytree.
+            in_shardings=(param_sh, param_sh if s.algo.use_kl_loss else None, dat),
+            out_shardings=(dat, rep),
+        )
+        for c in variants
+    }
+    fns = StepFns(prepare_programs, {}, optimizer, layout, loss_and_grads)
+    state_sh = fns.state_shardings(cal.init_calib_state(s.calib_cfg))
+    for c in variants:
+        fns.update_programs[c] = jax.jit(
+            functools.partial(update, calibrate=c),
+            in_shardings=(state_sh, dat, rep),
+            out_shardings=(state_sh, rep),
+            donate_argnums=(0,),
+        )
+    return fns
+
+
+def default_settings(
+    algo: Algorithm,
+    *,
+    train_recipe: str,
+    calibrated: bool,
+    calib_cfg: cal.CalibConfig,
+    correction: str,
+    correction_level: str,
+    tis_cap: float,
+    group_size: int,
+    micro_batch_size: int = 0,
+    grad_format: str = "e4m3",
+) -> StepSettings:
+    """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
+    (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
+    return StepSettings(
+        train_recipe=get_recipe(train_recipe, bwd_format=grad_format),
+        shadow_recipe=get_recipe("bf16"),
+        algo=algo,
+        calibrated=calibrated,
+        calib_cfg=calib_cfg,
+        correction=correction,
+        correction_level=correction_level,
+        tis_cap=tis_cap,
+        group_size=group_size,
+        micro_batch_size=micro_batch_size,
+    )

@@ -1,0 +1,89 @@
+"""Verifiers, the math reward's unparsed count and DAPO overlong shaping, against hand-computed
+cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from jfp8rl.data.rewards import (
+    ANSWER_PARSERS,
+    exact_match,
+    last_boxed,
+    math_answer_parsed,
+    math_verify_reward,
+    overlong_penalty,
+    score_responses,
+    scratchpad_parsed,
+    scratchpad_verifier,
+    task_verifier,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_scratchpad_verifier_and_garbled_rate() -> None:
+    good = "3+9+0=12;2+5+1=08;1+4+0=05;#0582"
+    assert scratchpad_verifier(good, "582") == 1.0
+    assert scratchpad_verifier(" " + good + "\n", "582") == 1.0
+    assert scratchpad_verifier(good.replace("#0582", "#0581"), "582") == 0.0  # wrong sum
+    garbled = [good[:-1] + "x", good.replace(";", ",", 1), "582", "", good + ";", "#0582"]
+    for g in garbled:
+        assert not scratchpad_parsed(g) and scratchpad_verifier(g, "582") == 0.0, g
+    assert scratchpad_parsed(good.replace("1+4+0=05", "1+4+0=99"))  # wrong step, well-formed
+    from jfp8rl.data.rewards import ANSWER_PARSERS, get_verifier
+
+    assert ANSWER_PARSERS[get_verifier("scratchpad")] is scratchpad_parsed
+
+
+def test_verifiers() -> None:
+    assert task_verifier(" 46", "46") == 1.0
+    assert task_verifier("046", "46") == 0.0
+    assert task_verifier("46 apples", "46") == 0.0
+    assert exact_match("Paris.", "Paris") == 1.0
+    assert exact_match("paris", "Paris") == 0.0
+    assert math_verify_reward("so the answer is $\\boxed{\\frac{1}{2}}$", "0.5") == 1.0
+    assert math_verify_reward("the answer is $\\boxed{3}$", "4") == 0.0
+    assert math_verify_reward("no idea", "4") == 0.0
+
+
+def test_overlong_penalty_matches_dapo_formula() -> None:
+    # L_max = 10, L_cache = 4: free up to 6, then -(L - 6)/4, -1 beyond 10.
+    lengths = np.array([1, 6, 7, 8, 10, 11])
+    want = np.array([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    np.testing.assert_allclose(overlong_penalty(lengths, 10, 4), want)
+    np.testing.assert_allclose(overlong_penalty(lengths, 10, 4, penalty=0.5), want * 0.5)
+
+
+def test_score_responses_adds_shaping_to_correctness() -> None:
+    r, c = score_responses(
+        ["12", "13", "12"],
+        ["12", "12", "12"],
+        np.array([3, 3, 6]),
+        verifier=task_verifier,
+        max_tokens=6,
+        overlong=True,
+        overlong_buffer=2,
+        overlong_penalty_coef=1.0,
+    )
+    np.testing.assert_allclose(c, [1, 0, 1])
+    np.testing.assert_allclose(r, [1, 0, 0])
+
+
+def test_math_reward_boxed_and_unparsed() -> None:
+    assert last_boxed("a \\boxed{1} then \\boxed{\\frac{1}{2}} end") == "\\frac{1}{2}"
+    assert last_boxed("cut off \\boxed{\\frac{1}{2") is None
+    assert last_boxed("no box 42") is None
+    cases = [  # (response, answer, reward, parsed)
+        ("so $\\boxed{\\frac{1}{2}}$", "0.5", 1.0, True),
+        ("\\boxed{12}", "12", 1.0, True),
+        ("\\boxed{13}", "12", 0.0, True),
+        ("the answer is 12", "12", 0.0, False),  # no box: unparsed, scores 0
+        ("\\boxed{}", "12", 0.0, False),
+        ("\\boxed{\\frac{1}{2", "0.5", 0.0, False),
+    ]
+    for response, answer, reward, parsed in cases:
+        assert math_verify_reward(response, answer) == reward, response
+        assert math_answer_parsed(response) is parsed, response
+    assert ANSWER_PARSERS[math_verify_reward] is math_answer_parsed
