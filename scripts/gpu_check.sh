@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared GPU check of the FP8 Hopper kernel (models/fp8_kernels, issue 11), for a
-# lent H200/H100 (jax 0.11.2 with CUDA 13, flax, jaxtyping; no network). One call does:
+# The one prepared GPU check of the FP8 Hopper kernel (docs/kernels.md), for an H100/H200
+# (jax 0.11.2 with CUDA 13, flax, jaxtyping; no network needed). One call does:
 #   1. the kernel tests on the GPU, compiled (not interpreted): pytest
 #      tests/models/test_fp8_kernels.py with a fresh random seed (FP8_KERNEL_TEST_SEED) and a
 #      NaN-poisoned allocator before each kernel call (see the test file), plus the GPU-only
@@ -12,12 +12,11 @@
 #   4. benchmarks/model_step.py with the pallas recipe.
 # Prints a short summary last; full logs and the dumps go to $OUT (or /tmp/gpu_check_out).
 #
-# Usage, from the repository root (device tool: command "bash scripts/gpu_check.sh",
-# timeout_s 540):
+# Usage, from the repository root (each step has its own timeout; allow about 10 minutes):
 #   bash scripts/gpu_check.sh
-# pytest is not on the GPU machine. Carry its wheels (made here once):
+# Without pytest and network on the GPU machine, bring pytest's wheels (made once elsewhere):
 #   python3.12 -m pip download --only-binary=:all: --python-version 3.12 -d .gpu_wheels pytest
-#   echo /.gpu_wheels/ >> .git/info/exclude        # then carry: [".gpu_wheels"]
+#   echo /.gpu_wheels/ >> .git/info/exclude        # then copy .gpu_wheels/ along with the checkout
 # Nothing here imports omegaconf, math-verify or vLLM (models/ and benchmarks/ only).
 # GPU_CHECK_SMALL=1 runs the same steps at small sizes (a plumbing check, e.g. on a CPU, where
 # the kernel runs in the interpreter).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (or reuse) the isolated venv holding a real vLLM for CPU tests (ROLLOUT.md section 5).
+# Build (or reuse) the isolated venv holding a real vLLM for CPU tests (docs/rollout.md section 5).
 # Usage: scripts/setup_vllm_env.sh [VENV_DIR]   (default: $JFP8RL_VLLM_VENV or ~/.cache/jfp8rl/vllm-venv)
 # jax is kept out of this venv: vLLM pins its own torch/transformers.
 set -euo pipefail
@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" >/dev/nu
 fi
 # torchvision from PyPI breaks the transformers import next to torch 2.13 cpu
 # ("operator torchvision::nms does not exist"); checked on every run, since a venv built
-# elsewhere (or an earlier version of this script) may still hold it.
+# elsewhere may still hold it.
 if "$VENV/bin/python" -c 'import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")))' >/dev/null 2>&1; then
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi

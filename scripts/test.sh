@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh machine: installs everything (project venv, the cached
-# vLLM venv of ROLLOUT.md section 5), lints, then runs pytest. Extra args go to pytest.
+# vLLM venv of docs/rollout.md section 5), lints, then runs pytest. Extra args go to pytest.
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
