@@ -119,15 +119,16 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
 
     import jax
 
-    from jfp8rl.parallel import mesh as mesh_lib
     from jfp8rl.config import load_config
-    from jfp8rl.data.stream import PromptStream, build_datasets
-    from jfp8rl.trainer.backends import make_backend
-    from jfp8rl.trainer.policy import load_policy
     from jfp8rl.data.rewards import get_verifier
-    from jfp8rl.trainer.rollout import RolloutSettings, collect
-    from jfp8rl.trainer.step import OptimSettings, default_settings, make_step_fns
+    from jfp8rl.data.stream import PromptStream, build_datasets
     from jfp8rl.data.templates import PromptFormat
+    from jfp8rl.parallel import mesh as mesh_lib
+    from jfp8rl.trainer.backends import make_backend
+    from jfp8rl.trainer.optimizer import OptimSettings
+    from jfp8rl.trainer.policy import load_policy
+    from jfp8rl.trainer.rollout import RolloutSettings, collect
+    from jfp8rl.trainer.step import default_settings, make_step_fns
     from losses import calibrated as cal
     from losses.registry import get_algorithm
     from models.hf_io import to_hf_state_dict

@@ -60,16 +60,11 @@ from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.checkpoint import Checkpointer
 from jfp8rl.trainer.loop import setup
+from jfp8rl.trainer.microbatch import map_micro, num_micro_batches
 from jfp8rl.trainer.settings import step_settings
 from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer, abstract_array
-from jfp8rl.trainer.step import (
-    MODEL_INPUTS,
-    make_step_fns,
-    map_micro,
-    num_micro_batches,
-    response_logprobs,
-)
+from jfp8rl.trainer.step import MODEL_INPUTS, make_step_fns, response_logprobs
 from losses import calibrated as cal
 
 # (recipe, output-gradient format) pairs audited; BF16 has no FP8 gradient.

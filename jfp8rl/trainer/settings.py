@@ -9,8 +9,9 @@ import jax
 
 from jfp8rl.config import Config, ConfigError, check_batch_split
 from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
-from jfp8rl.trainer.step import OptimSettings, StepSettings, default_settings
+from jfp8rl.trainer.step import StepSettings, default_settings
 from losses import calibrated as cal
 from losses.registry import get_algorithm
 

@@ -1,4 +1,4 @@
-"""The pure, jitted parts of one RL step (DESIGN.md sections 7 and 9).
+"""The pure, jitted parts of one RL step (docs/design.md sections 7 and 9).
 
 `make_step_fns` closes over everything static (graphdef, recipes, algorithm, calibration
 config, optimizer, mesh layout) and returns jitted programs with explicit in/out shardings:
@@ -16,16 +16,9 @@ config, optimizer, mesh layout) and returns jitted programs with explicit in/out
 
 Calibrating and non-calibrating steps are separate executables (`calibrate` is static), so a
 non-calibrating program holds no BF16 forward at all: the paper's two BF16 forwards (old params
-in `prepare`, current params in `update`) run on calibration steps only (PAPER.md; every 20).
+in `prepare`, current params in `update`) run on calibration steps only (docs/paper.md; every 20).
 
-Micro-batching (`micro_batch_size` m < mini-batch size n, k = n / m micro-batches). Micro-batch
-j holds the samples j, j + k, j + 2k, ... (a strided split: with the samples sharded in
-contiguous blocks over `data x fsdp`, every micro-batch is spread over all devices). Exact for
-every aggregation mode (`losses.masked`): the loss of micro-batch j is num_j / D with D the
-mini-batch's global denominator (tokens or non-empty sequences), so sum_j loss_j and its
-gradient equal the whole mini-batch's; no per-micro-batch mean is ever averaged. The logged
-loss and metrics are recomputed once on the whole mini-batch from the micro-batches' (stop-
-gradient) logprobs, so quantiles and fractions are global too.
+Micro-batching: `jfp8rl.trainer.microbatch` (exact for every aggregation mode).
 
 Calibrated Clipping per mini-batch (losses.calibrated): with r8 = exp(logp8 - old8),
 r16 = exp(logp16 - old16) (same params, BF16 recipe, calibration programs only): calibrating
@@ -55,6 +48,14 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from jfp8rl.parallel.mesh import Layout
+from jfp8rl.trainer.microbatch import (
+    constrain,
+    map_micro,
+    merge_micro,
+    num_micro_batches,
+    split_micro,
+)
+from jfp8rl.trainer.optimizer import OptimSettings, make_optimizer
 from losses import advantages as adv_lib
 from losses import calibrated as cal
 from losses import rollout_correction as rc
@@ -117,66 +118,9 @@ def response_logprobs(
     )
 
 
-def num_micro_batches(n: int, micro_batch_size: int) -> int:
-    """k = n / micro_batch_size (1 when micro_batch_size is 0 or >= n); n must divide evenly."""
-    if micro_batch_size <= 0 or micro_batch_size >= n:
-        return 1
-    if n % micro_batch_size:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch of {n}")
-    return n // micro_batch_size
-
-
-def split_micro(tree: Any, k: int) -> Any:
-    """[N, ...] leaves -> [k, N / k, ...]; micro-batch j = samples j, j + k, j + 2k, ..."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), tree)
-
-
-def merge_micro(tree: Any) -> Any:
-    """Inverse of `split_micro`: [k, N / k, ...] -> [N, ...] in the original sample order."""
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[2:]), tree)
-
-
-def constrain(tree: Any, sharding: Any) -> Any:
-    """`with_sharding_constraint` on every leaf (no-op when `sharding` is None)."""
-    if sharding is None:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
-
-
-def map_micro(fn: Callable[[Any], Any], batch: Any, k: int, sharding: Any = None) -> Any:
-    """`fn` over the k micro-batches of `batch` (one at a time, `lax.map`), outputs merged
-    back to [N, ...]; k == 1 calls `fn` once on the whole batch. `sharding`: the batch
-    sharding each micro-batch keeps inside the loop (XLA's propagation would otherwise
-    replicate a loop's slices: measured, a whole 8 x 16K micro-batch on every device)."""
-    if k == 1:
-        return fn(batch)
-    return merge_micro(jax.lax.map(lambda m: fn(constrain(m, sharding)), split_micro(batch, k)))
-
-
-class OptimSettings(NamedTuple):
-    """AdamW hyperparameters (hashable, so the jitted step can be cached per setting)."""
-
-    lr: float
-    warmup_updates: int
-    weight_decay: float
-    grad_clip: float
-    b1: float
-    b2: float
-    eps: float = 1e-8  # Adam's epsilon (optax / torch default)
-
-
-def make_optimizer(o: OptimSettings) -> optax.GradientTransformation:
-    """Global-norm clip, then AdamW with linear warmup over `o.warmup_updates` optimizer
-    updates (then constant), on the FP32 masters."""
-    sched = optax.linear_schedule(0.0, o.lr, o.warmup_updates) if o.warmup_updates > 0 else o.lr
-    return optax.chain(
-        optax.clip_by_global_norm(o.grad_clip),
-        optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay),
-    )
-
-
-def _mean_metrics(aux: dict[str, Array]) -> dict[str, Array]:
-    # Raw sums (`*/sum/*`, `*_num`, `*_den`) are for reductions across shards, not logs.
+def loggable_metrics(aux: dict[str, Array]) -> dict[str, Array]:
+    """The metrics of a loss's aux dict, as f32, without its raw sums (`*/sum/*`, `*_num`,
+    `*_den`), which exist for reductions across shards and micro-batches, not for logs."""
     return {
         k: jnp.asarray(v, jnp.float32)
         for k, v in aux.items()
@@ -270,7 +214,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         if ref_params is not None:
             out["ref_logp"] = jnp.where(mask != 0, f["ref"], 0.0)
         metrics = {
-            **_mean_metrics(is_aux),
+            **loggable_metrics(is_aux),
             # Mismatch and entropy over every sampled token, including groups that dynamic
             # sampling left out of the loss.
             **rc.mismatch_metrics(old_all, batch["rollout_logp"], valid),
@@ -317,7 +261,10 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
                 ]
             cs, lo, hi, caux = bounds(calib_state, logp, logp16, mb, on_policy, calibrate)
             loss, aux = loss_terms(logp, ent, mb, lo, hi)
-            return loss, (cs, {**caux, **_mean_metrics(aux), "calib/lower": lo, "calib/upper": hi})
+            return loss, (
+                cs,
+                {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi},
+            )
 
         (loss, (cs, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, grads, cs, metrics
@@ -361,7 +308,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         logp, ent = merge_micro(logp_k), merge_micro(ent_k)
         # The logged loss and metrics from the whole mini-batch at once (no model call).
         loss, aux = loss_terms(logp, ent, mb, lo, hi)
-        metrics = {**caux, **_mean_metrics(aux), "calib/lower": lo, "calib/upper": hi}
+        metrics = {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi}
         return loss, grads, cs, metrics
 
     def loss_and_grads(params, calib_state, mb, on_policy, calibrate):

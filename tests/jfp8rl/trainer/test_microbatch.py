@@ -19,7 +19,8 @@ from tiny_run import random_batch
 
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
 from jfp8rl.trainer import step as step_lib
-from jfp8rl.trainer.step import OptimSettings, default_settings, make_step_fns
+from jfp8rl.trainer.optimizer import OptimSettings
+from jfp8rl.trainer.step import default_settings, make_step_fns
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import Algorithm
 from models import functional as mf

@@ -65,7 +65,7 @@ def test_every_metric_finite_and_outputs_loadable(full_run: Path) -> None:
     cfg, graphdef, params = load_hf(full_run / "hf_final")
     ck = Checkpointer(full_run, keep=2)
     assert ck.latest_step() == 4
-    from jfp8rl.trainer.step import OptimSettings, make_optimizer
+    from jfp8rl.trainer.optimizer import OptimSettings, make_optimizer
     from losses.calibrated import CalibConfig, init_calib_state
 
     # Same structure as the trainer's state (AdamW with warmup; values do not matter).
@@ -179,7 +179,7 @@ def test_nonfinite_updates_in_a_row_stop_with_a_loadable_checkpoint(
     assert all(r["actor/nonfinite_updates"] == updates_per_step for r in rows[1:])
     # Checkpoint 2 restores, and its params are still the initial ones: finite, unchanged.
     cfg, _, params = load_hf(full_run / "hf_final")
-    from jfp8rl.trainer.step import OptimSettings, make_optimizer
+    from jfp8rl.trainer.optimizer import OptimSettings, make_optimizer
     from losses.calibrated import CalibConfig, init_calib_state
 
     like = {
