@@ -1,13 +1,12 @@
-"""The FP8 study's RL arms and its tables (issue 12, docs/fp8_study.md), from commands.
+"""The FP8 study's RL arms and its tables (docs/fp8_study.md), from commands.
 
     python scripts/study_fp8.py commands [--seeds 0,1]
         One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
     python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0] [--nice 10]
         Runs the arms' commands (at `nice -n NICE`), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
-    python scripts/study_fp8.py collect [--root runs/study] [--dest docs/study/arms]
+    python scripts/study_fp8.py collect [--root runs/study] [--dest results/study/arms]
         Copies each finished run's metrics.jsonl, config.yaml, summary.json (no checkpoints).
-        (Not `docs/study/runs`: the repository's `.gitignore` pattern `runs/` matches it.)
     python scripts/study_fp8.py table [--root runs/study] [--arms a,b] [--seeds 0,1]
         The final table per arm (mean and spread over seeds: final and best greedy eval
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seeds", default="", help="comma-separated seeds to keep (default: all)")
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
-    c.add_argument("--dest", default="docs/study/arms")
+    c.add_argument("--dest", default="results/study/arms")
     d = sub.add_parser("audit-diff")
     d.add_argument("dirs", nargs="+", metavar="DIR", help="`python -m jfp8rl.audit --out` folders")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Metrics sinks: `metrics.jsonl` (always), TensorBoard (optional) and one console line per step.
 
 `metrics.jsonl` holds one JSON object per step, `{"step": k, "<name>": value, ...}` with the
-names of DESIGN.md section 8 (verl / TRL compatible). Values are plain floats; a non-finite
+names of docs/design.md section 8 (verl / TRL compatible). Values are plain floats; a non-finite
 value is written as null in JSON (and skipped in TensorBoard) so every line stays valid JSON.
 
 On resume from step k the file is cut back to steps <= k before appending, so it always

@@ -1,4 +1,4 @@
-"""Multi-process JAX: one trainer process per host (DESIGN.md section 9, docs/cluster.md).
+"""Multi-process JAX: one trainer process per host (docs/design.md section 9, docs/cluster.md).
 
 `initialize` joins the processes (`jax.distributed.initialize`) from the CLI flags
 `--coordinator host:port --num-processes N --process-id i`, or from the environment where JAX

@@ -1,4 +1,4 @@
-"""The device mesh and the shardings of the train state and the batch (DESIGN.md section 9).
+"""The device mesh and the shardings of the train state and the batch (docs/design.md section 9).
 
 Three named axes, `("data", "fsdp", "tensor")`, sized by `train.mesh`:
 

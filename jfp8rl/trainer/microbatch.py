@@ -48,7 +48,7 @@ def map_micro(fn: Callable[[Any], Any], batch: Any, k: int, sharding: Any = None
     """`fn` over the k micro-batches of `batch` (one at a time, `lax.map`), outputs merged
     back to [N, ...]; k == 1 calls `fn` once on the whole batch. `sharding`: the batch
     sharding each micro-batch keeps inside the loop (XLA's propagation would otherwise
-    replicate a loop's slices: measured, a whole 8 x 16K micro-batch on every device)."""
+    replicate a loop's slices: a whole micro-batch on every device)."""
     if k == 1:
         return fn(batch)
     return merge_micro(jax.lax.map(lambda m: fn(constrain(m, sharding)), split_micro(batch, k)))

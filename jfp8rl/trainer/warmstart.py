@@ -65,7 +65,7 @@ TINY_ARITH = ModelConfig(
     compute_dtype=jnp.float32,
 )
 
-# The FP8 study's larger policy (issue 12, configs/study_scratchpad_25m.yaml): the same family
+# The FP8 study's larger policy (docs/fp8_study.md, configs/study_scratchpad_25m.yaml): the same family
 # at d = 512 (four 128-wide FP8 blocks per row), 6 layers: 23.7M parameters.
 STUDY_25M = dataclasses.replace(
     TINY_ARITH, hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8,

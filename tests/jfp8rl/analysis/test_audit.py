@@ -1,5 +1,5 @@
 """`python -m jfp8rl.audit` on the tiny policy: its rows, and the numbers that are exact by
-construction (issue 12, part A).
+construction.
 
 Exact references: the BF16 recipe is batch-invariant and is its own shadow, so its noise floor
 and its log r - log r16 are exactly 0 (at these small shapes XLA:CPU sums the mini-batch and

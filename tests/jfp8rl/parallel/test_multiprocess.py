@@ -1,4 +1,4 @@
-"""Multi-process JAX (issue 13, DESIGN.md section 9): two trainer processes x 2 forced CPU
+"""Multi-process JAX (docs/design.md section 9): two trainer processes x 2 forced CPU
 devices == one process x 4 devices, and a two-process run resumes exactly.
 
 Real processes on 127.0.0.1 (`scripts/launch_cluster.sh --local 2`: `jax.distributed` with a

@@ -1,4 +1,4 @@
-"""DESIGN.md section 9 on 8 forced host devices: sharded == single device.
+"""docs/design.md section 9 on 8 forced host devices: sharded == single device.
 
 XLA_FLAGS must be set before jax starts, so the multi-device work runs in fresh subprocesses:
 

@@ -1,4 +1,4 @@
-"""Micro-batched `update` == the whole mini-batch at once (DESIGN.md section 9), and the BF16
+"""Micro-batched `update` == the whole mini-batch at once (docs/design.md section 9), and the BF16
 shadow forwards exist only in the calibrating programs.
 
 Gradient accumulation is exact only if every micro-batch's loss is its numerator over the

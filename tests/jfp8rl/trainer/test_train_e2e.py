@@ -24,7 +24,7 @@ from jfp8rl.trainer.checkpoint import Checkpointer
 from jfp8rl.trainer.loop import run
 from models.hf_io import load_hf, read_safetensors
 
-# DESIGN.md section 8: every one must be present and finite at every step.
+# docs/design.md section 8: every one must be present and finite at every step.
 SECTION8 = [
     "reward/mean", "reward/accuracy", "response_length/mean", "actor/entropy", "actor/pg_loss",
     "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac", "actor/clipfrac_neg_lower",
