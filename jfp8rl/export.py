@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="", help="output folder (default RUN_DIR/hf_step_S)")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.run_dir, args.step, args.out or None)
+        out = export_checkpoint(
+            args.run_dir, args.step, args.out or None, log=lambda m: print(m, file=sys.stderr)
+        )
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

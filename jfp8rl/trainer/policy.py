@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -90,11 +89,15 @@ def save_policy_folder(
     return out
 
 
-def export_checkpoint(run_dir: str | Path, step: int, out_dir: str | Path | None = None) -> Path:
-    """Writes checkpoint `step` of `run_dir` as an HF folder (module docstring); returns it."""
+def export_checkpoint(
+    run_dir: str | Path, step: int, out_dir: str | Path | None = None, log: Any = print
+) -> Path:
+    """Writes checkpoint `step` of `run_dir` as an HF folder (`<run_dir>/hf_step_<step>` by
+    default) with the run's base-policy tokenizer files, as `hf_final` is written; returns it.
+    Only the FP32 master params are restored (no optimizer state is materialised)."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
-    policy = load_policy(cfg, log=lambda msg: print(msg, file=sys.stderr))
+    policy = load_policy(cfg, log=log)
     params = restore_params(run_dir, step, policy.params)
     out = Path(out_dir) if out_dir else run_dir / f"hf_step_{step}"
     return save_policy_folder(out, policy, params)
