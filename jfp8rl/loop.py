@@ -139,7 +139,7 @@ def push_format(r: RolloutConfig) -> str:
     if r.export_format:
         return r.export_format
     if r.backend == "embedded":
-        from rollout_bridge.engine import default_export_format
+        from rollout_bridge.engine.embedded import default_export_format
 
         return default_export_format(get_recipe(r.recipe))
     return "bf16"
@@ -153,7 +153,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
     r = cfg.rollout
     root = r.export_root or None
     if r.backend == "embedded":
-        from rollout_bridge.engine import EmbeddedBackend
+        from rollout_bridge.engine.embedded import EmbeddedBackend
 
         # No weights at construction (an f32 copy of the model): the run's first sync pushes
         # the weights it serves, before any sampling.
@@ -162,18 +162,17 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
             export_format=push_format(r), export_root=root,
         )  # fmt: skip
-    from rollout_bridge.http_client import HttpBackend
-    from rollout_bridge.pool import ServerPool
+    from rollout_bridge.client.http_backend import HttpBackend
+    from rollout_bridge.client.pool import ServerPool
+    from rollout_bridge.client.settings import ClientSettings
 
-    kw: dict[str, Any] = {
-        "token": r.api_key or None, "timeout_s": r.timeout_s, "max_retries": r.max_retries,
-        "export_format": push_format(r), "export_hash": r.export_hash or None,
-    }  # fmt: skip
+    settings = ClientSettings(
+        token=r.api_key or None, timeout_s=r.timeout_s, max_retries=r.max_retries,
+        export_format=push_format(r), export_root=root, export_hash=r.export_hash or None,
+    )  # fmt: skip
     urls = r.server_urls()
     backend: RolloutBackend = (
-        ServerPool(urls, export_root=root, **kw)
-        if r.urls
-        else HttpBackend(urls[0], export_root=root, **kw)
+        ServerPool(urls, settings) if r.urls else HttpBackend(urls[0], settings)
     )
     if not backend.health():
         backend.close()
