@@ -3,7 +3,8 @@ section 1).
 
 The trainer talks to a `RolloutBackend` and never knows whether it is the embedded JAX engine
 or an HTTP client of a vLLM-compatible server. Everything crossing this interface is plain
-Python / numpy (no jax), because this module is also imported by the vLLM-side code.
+Python / numpy, never jax arrays: what an HTTP server answers and what the embedded engine
+returns look the same.
 
 Logprob convention: `Completion.logprobs[i]` is log p(response_ids[i] | prompt, response[:i])
 under the distribution the token was *actually sampled from* (temperature / top-k / top-p
