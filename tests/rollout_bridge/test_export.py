@@ -9,8 +9,10 @@ import ml_dtypes
 import numpy as np
 from bridge_support import bf16_reference, small_hf_state
 
+from jfp8rl.config import RolloutConfig
+from jfp8rl.loop import push_format
 from models import fp8
-from rollout_bridge.export import export_weights, is_fp8_linear, to_rollout_format
+from rollout_bridge.export import export_weights, fetch_dtype, is_fp8_linear, to_rollout_format
 from rollout_bridge.weights import TENSOR_FILE
 from rollout_bridge.weights.reader import load_export
 
@@ -109,10 +111,6 @@ def test_push_format_and_fetch_dtype_per_backend() -> None:
     """The format a run pushes (`rollout.export_format`, else the backend's default) fixes the
     dtype every process fetches the params in: bf16 is rounded on device, FP8 and fp32 pushes
     need the float32 masters."""
-    from jfp8rl.config import RolloutConfig
-    from jfp8rl.loop import push_format
-    from rollout_bridge.export import fetch_dtype
-
     cases = [
         (RolloutConfig(backend="http"), "bf16", "bfloat16"),
         (RolloutConfig(backend="embedded"), "fp8", "float32"),  # recipe fp8_block

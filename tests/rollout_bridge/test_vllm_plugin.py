@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 from bridge_support import ROOT, VllmServer, flip_tensor_bit
 
+from jfp8rl.loop import push_params
 from models import fp8
 from models.config import ModelConfig, get_config
 from models.functional import forward, init_model, token_logprobs
@@ -218,8 +220,6 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     # Two more pushes the way the trainer makes them (`push_params`: from the params): the
     # plugin reads both into the buffer it read step-1 into, and the third export overwrites
     # the oldest version's file; each time the server computes with exactly the pushed weights.
-    from jfp8rl.loop import push_params
-
     for k, params in (("1b", served.params0), ("1c", served.params1)):
         push_params(c, served.cfg, params, f"step-{k}", c.settings.export_format)
         assert c.weight_version() == f"step-{k}"
@@ -254,8 +254,6 @@ def test_tampered_export_is_refused_and_old_weights_stay(served: Served, which: 
 def test_without_the_served_export_the_plugin_verifies_before_loading(served: Served) -> None:
     """The served version's folder gone (no way back): the whole export is verified before a
     weight is touched; a tampered one is refused with the old weights kept, a good one loads."""
-    import shutil
-
     c = served.client
     shutil.rmtree(c.export_root / "step-1")
     path = export_weights(

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from bridge_support import sharp_hf_state
 
+from models import fp8
 from models import functional as mf
 from models.config import get_config
 from models.fp8 import get_recipe
-from models.hf_io import from_hf_state_dict, hf_name_map, random_hf_state_dict
+from models.hf_io import from_hf_state_dict, hf_name_map, iter_hf_state, random_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.engine.batching import bucket
 from rollout_bridge.engine.embedded import EmbeddedBackend
@@ -224,8 +225,6 @@ def test_engine_owns_its_weights(model, engine):
 def test_engine_without_weights_until_a_streamed_push(model, tmp_path):
     """params=None: refused until the first push; a push may stream (name, array) pairs
     (`iter_hf_state`), and then scores like the engine built with those weights (fp32 export)."""
-    from models.hf_io import iter_hf_state
-
     cfg, graphdef, params, _ = model
     eng = EmbeddedBackend(
         cfg, graphdef, None, eos_id=None, export_root=tmp_path, export_format="fp32"
@@ -289,8 +288,6 @@ def test_fp8_export_round_trip(tmp_path):
     with f32 compute the engine ("fp8_fp32" export: the FP8 values, other tensors f32) scores
     like the trainer's recipe on the masters to float rounding; the GPU-server format "fp8"
     also rounds embeddings, norms and biases to bf16 (bounded by 5e-2 here)."""
-    from models import fp8
-
     cfg = get_config("tiny_qwen2", compute_dtype=jnp.float32)
     graphdef, _ = mf.init_model(cfg, 0)
     hf = random_hf_state_dict(cfg, 3)
