@@ -42,12 +42,13 @@ from models.config import get_config
 from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutBackend, SamplingParams
-from rollout_bridge.engine import EmbeddedBackend
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.serve import ServerState, make_server
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.engine.embedded import EmbeddedBackend
+from rollout_bridge.server.http_server import ServerState, make_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
-from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
+from bridge_support import VllmServer, ensure_vllm_env  # noqa: E402
 
 # ROLLOUT.md's measured model; head_dim >= 32 because vLLM's CPU attention refuses 16.
 CFG = get_config(
@@ -119,7 +120,8 @@ def main() -> None:
             server = make_server(state)
             threading.Thread(target=server.serve_forever, daemon=True).start()
             client = HttpBackend(
-                f"http://127.0.0.1:{server.server_port}", export_root=Path(tmp) / "x"
+                f"http://127.0.0.1:{server.server_port}",
+                ClientSettings(export_root=Path(tmp) / "x"),
             )
             results[f"serve/{recipe}"] = _time(client, prompts, args)
             server.shutdown()
@@ -127,7 +129,7 @@ def main() -> None:
         if not args.skip_vllm:
             ensure_vllm_env()
             with VllmServer(model_dir, dtype="float32", max_model_len=256) as srv:
-                client = HttpBackend(srv.url, export_root=Path(tmp) / "y")
+                client = HttpBackend(srv.url, ClientSettings(export_root=Path(tmp) / "y"))
                 results["vllm/fp32"] = _time(client, prompts, args)
 
     ref = results.get("vllm/fp32")

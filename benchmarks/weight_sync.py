@@ -57,12 +57,14 @@ from jfp8rl.trainer.backends import push_params
 from models.config import PRESETS, ModelConfig, get_config
 from models.hf_io import from_hf_state_dict, iter_hf_state, random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, save_tokenizer
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.export import export_weights, fetch_dtype
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import default_hash, default_root
+from rollout_bridge.weights.hashing import default_hash
+from rollout_bridge.weights.store import default_root
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
-from vllm_server import VllmServer, ensure_vllm_env  # noqa: E402
+from bridge_support import VllmServer, ensure_vllm_env  # noqa: E402
 
 MODELS: dict[str, ModelConfig] = {
     # head_dim >= 32: vLLM's CPU attention refuses 16.
@@ -229,7 +231,8 @@ def bench_model(
         with VllmServer(folder, venv=venv, dtype=dtype, startup_timeout_s=600) as server:
             print(f"[{name}] vllm ({dtype}) up in {time.perf_counter() - t:.0f} s", flush=True)
             for fmt in formats_here:
-                client = HttpBackend(server.url, export_format=fmt, export_root=root, max_retries=0)
+                settings = ClientSettings(export_format=fmt, export_root=root, max_retries=0)
+                client = HttpBackend(server.url, settings)
                 export_s = median_time(
                     lambda f=fmt: export_weights(
                         iter_hf_state(cfg, params, dtype=fetch_dtype(f)), f"e{next(k)}",
@@ -249,12 +252,9 @@ def bench_model(
                     ),
                 )
                 others = [
-                    HttpBackend(
-                        server.url, export_format=fmt, export_root=root, max_retries=0,
-                        export_hash=h,
-                    )
+                    HttpBackend(server.url, dataclasses.replace(settings, export_hash=h))
                     for h in compare_hashes
-                ]  # fmt: skip
+                ]
                 copies, pushes = paired_times(
                     lambda: plain_copy_s(new_state, root),
                     [

@@ -1,12 +1,14 @@
-"""The rollout interface shared by every backend (DESIGN.md section 6, ROLLOUT.md section 1).
+"""The rollout interface shared by every backend (docs/design.md section 6, docs/rollout.md
+section 1).
 
 The trainer talks to a `RolloutBackend` and never knows whether it is the embedded JAX engine
 or an HTTP client of a vLLM-compatible server. Everything crossing this interface is plain
-Python / numpy (no jax), because this module is also imported by the vLLM-side code.
+Python / numpy, never jax arrays: what an HTTP server answers and what the embedded engine
+returns look the same.
 
 Logprob convention: `Completion.logprobs[i]` is log p(response_ids[i] | prompt, response[:i])
 under the distribution the token was *actually sampled from* (temperature / top-k / top-p
-applied; vLLM needs `--logprobs-mode processed_logprobs` for that, ROLLOUT.md section 2).
+applied; vLLM needs `--logprobs-mode processed_logprobs` for that, docs/rollout.md section 2).
 At temperature 1 with no truncation this equals the model's raw log-softmax.
 """
 
@@ -117,7 +119,7 @@ class RolloutBackend(abc.ABC):
 
         `seed_indices[i]` is the index prompt i's samples are seeded with (default i): a pool
         that splits one batch over several servers passes each prompt's index in the whole
-        batch, so the samples do not depend on the split (`rollout_bridge.pool`)."""
+        batch, so the samples do not depend on the split (`rollout_bridge.client.pool`)."""
 
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -127,9 +129,10 @@ class RolloutBackend(abc.ABC):
     @abc.abstractmethod
     def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """Installs new policy weights, given in HF names and layout ([out, in], float32
-        masters), as a dict or as (name, array) pairs read once (`HFTensors`). The backend converts them to its rollout format (bf16 / fp32 / FP8 block)
-        through `rollout_bridge.export`, so every backend holds the same numbers. After it
-        returns, `weight_version()` is `version` and every later sample uses the new weights."""
+        masters), as a dict or as (name, array) pairs read once (`HFTensors`). The backend
+        converts them to its rollout format (bf16 / fp32 / FP8 block) through
+        `rollout_bridge.export`, so every backend holds the same numbers. After it returns,
+        `weight_version()` is `version` and every later sample uses the new weights."""
 
     @abc.abstractmethod
     def weight_version(self) -> str:

@@ -1,9 +1,9 @@
 """Weight export: HF-named float32 masters -> rollout format -> safetensors in shared memory.
 
 Formats (`fmt`):
-  "fp32"      every tensor as float32 (a CPU fp32 server matches the trainer to ~1e-6).
+  "fp32"      every tensor as float32 (a CPU fp32 server matches the trainer to float rounding).
   "bf16"      every tensor rounded to bfloat16 (round to nearest even; verl's default).
-  "fp8"       block-FP8 checkpoint format (DeepSeek-V3 / Qwen3-FP8, ROLLOUT.md section 6): each
+  "fp8"       block-FP8 checkpoint format (DeepSeek-V3 / Qwen3-FP8, docs/rollout.md section 6): each
               decoder linear weight W [out, in] becomes an e4m3 `<name>` = q and an f32
               `<name minus .weight>.weight_scale_inv` = s [ceil(out/B), ceil(in/B)], with
               W ~= q * s per B x B block (s = amax / 448), B = 128; embeddings, norms, biases
@@ -14,8 +14,8 @@ Formats (`fmt`):
               while still computing with exactly the trainer's FP8 weights.
 
 q and s come from `models.fp8.quantize_weight`, the quantizer the training forward uses, so
-the server holds bit-for-bit the trainer's FP8 weights. That import is lazy: this module itself
-imports no jax (the format layer `weight_files` is shared with the vLLM plugin).
+the server holds bit-for-bit the trainer's FP8 weights. The conversions run in JAX; the bytes
+are written by `rollout_bridge.weights` (jax-free, shared with the vLLM plugin).
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from models import fp8
 from rollout_bridge.backend import HFTensors
-from rollout_bridge.weight_files import (
-    ExportError,
-    default_root,
-    load_export,
-    write_export,
-)
+from rollout_bridge.weights import ExportError
+from rollout_bridge.weights.store import default_root, write_export
 
 ExportFormat = Literal["fp32", "bf16", "fp8", "fp8_fp32"]
 EXPORT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp8", "fp8_fp32")
@@ -42,19 +41,6 @@ FP8_BLOCK_SIZE = 128
 # Decoder linears only: the embedding / LM head stay high precision as in DeepSeek-V3 and
 # Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers.
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
-
-__all__ = [
-    "EXPORT_FORMATS",
-    "ExportError",
-    "ExportFormat",
-    "export_weights",
-    "fetch_dtype",
-    "fp8_quantization_config",
-    "is_fp8_linear",
-    "iter_rollout_format",
-    "load_export",
-    "to_rollout_format",
-]
 
 
 def fp8_quantization_config(block_size: int = FP8_BLOCK_SIZE) -> dict[str, Any]:
@@ -74,10 +60,6 @@ def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:
 @functools.cache
 def _fp8_quantizer(block_size: int):
     """jit(models.fp8.quantize_weight) for the block recipe: W [out, in] -> (q e4m3, s f32)."""
-    import jax
-
-    from models import fp8
-
     recipe = fp8.get_recipe("fp8_block", block_size=block_size)
     return jax.jit(functools.partial(fp8.quantize_weight, recipe=recipe))
 
@@ -85,20 +67,13 @@ def _fp8_quantizer(block_size: int):
 @functools.cache
 def _fp8_dequantizer(block_size: int):
     """jit(q, s -> q * s) per block, by `models.fp8.dequantize` with the weight's tile."""
-    import jax
-
-    from models import fp8
-
     recipe = fp8.get_recipe("fp8_block", block_size=block_size)
     return jax.jit(functools.partial(fp8.dequantize, tile=fp8.weight_tile(recipe)))
 
 
 @functools.cache
 def _bf16_converter():
-    """jit(f32 -> bf16), round to nearest even (as ml_dtypes' astype, ~10x faster on CPU)."""
-    import jax
-    import jax.numpy as jnp
-
+    """jit(f32 -> bf16), round to nearest even (as ml_dtypes' astype)."""
     return jax.jit(lambda w: w.astype(jnp.bfloat16))
 
 
@@ -118,8 +93,6 @@ def iter_rollout_format(
     Conversions run in JAX (on the device holding a jax array; numpy input goes to the
     default device): bf16 rounding and FP8 quantization there, then the result is fetched,
     so a trainer on a GPU moves half (bf16) or a quarter (fp8) of the f32 bytes."""
-    import jax.numpy as jnp
-
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {EXPORT_FORMATS}")
     items = hf_state.items() if isinstance(hf_state, Mapping) else hf_state
@@ -170,13 +143,14 @@ def export_weights(
         `models.hf_io.iter_hf_state(cfg, params)`: one tensor fetched at a time).
       version: the weight version label, also the folder name (e.g. "step-12").
       fmt: "fp32" | "bf16" | "fp8" | "fp8_fp32" (module docstring).
-      root: export root; default `weight_files.default_root()` (/dev/shm/jfp8rl/run-<pid>).
+      root: export root; default `weights.store.default_root()` (/dev/shm/jfp8rl/run-<pid>).
       keep: how many versions to keep (older ones are deleted after the write).
-      hash_name: the per-tensor digest (`weight_files.HASHES`; default
-        `weight_files.default_hash()`, xxh3_128).
+      hash_name: the per-tensor digest (`weights.hashing.HASHES`; default
+        `weights.hashing.default_hash()`, xxh3_128).
 
     Returns:
-      The complete version folder; pass it to `load_export` or to a server's update route.
+      The complete version folder; pass it to `weights.reader.load_export` or to a server's
+      update route.
     """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {EXPORT_FORMATS}")

@@ -1,17 +1,19 @@
-"""vLLM plugin: a weight-transfer backend that loads our shared-memory exports (ROLLOUT.md 4).
+"""vLLM plugin: a weight-transfer backend that loads our shared-memory exports
+(docs/rollout.md section 4).
 
 Runs inside vLLM's own venv (torch + vllm, no jax): it imports only vllm, torch and
-`rollout_bridge.weight_files` (numpy/hashlib). vLLM calls `register()` in every process
+`rollout_bridge.weights` (numpy/hashlib). vLLM calls `register()` in every process
 through the `vllm.general_plugins` entry point declared in pyproject.toml; start the server with
 
     VLLM_SERVER_DEV_MODE=1 vllm serve <hf_dir> --weight-transfer-config '{"backend": "jfp8rl_shm"}'
 
-Update protocol (the client is `rollout_bridge.http_client.HttpBackend`):
+Update protocol (the client is `rollout_bridge.client.http_backend.HttpBackend`):
   /init_weight_transfer_engine {"init_info": {"root": <export root or null>}}
   /start_weight_update                 -> nothing yet (see below)
   /update_weights {"update_info": {"path": <version dir>, "version": str,
                                    "manifest_sha256": str | null}}
-                                       -> `open_export(path, framework="pt", mapped=True)`
+                                       -> `weights.reader.open_export(path, framework="pt",
+                                          mapped=True)`
                                           checks the manifest (sha256, version, sizes,
                                           headers) and starts hashing every tensor (the
                                           manifest's `hash`, xxh3_128 by default; its
@@ -35,17 +37,13 @@ session when `update_weights` raises; the route answers HTTP 500):
     one, the model's own checkpoint (vLLM's loader on `--model`). It loads tensor by tensor
     only when that rollback source is there (`check_export_files`: manifest and sizes; the
     trainer keeps the served version when it writes the next, `keep` >= 2); otherwise it
-    verifies the whole export first and loads after (the behaviour before rollback existed).
+    verifies the whole export first and loads after, so a refused export touches no weight.
     A rollback that itself fails stops the server process (exit code 70) rather than serve a
     mix of two versions.
-Measured on the 100M bf16 export (2 vCPUs, benchmarks/weight_sync.py's server split): map +
-verify 0.082 s then load 0.175 s (0.257 s) in one run before; open 0.017-0.022 s + verify and
-load overlapped 0.179-0.240 s in three runs now (with the hashing on every core instead of the
-spare one: 0.245 s). The gain, up to 0.06 s, is within this machine's run-to-run noise.
-With xxh3_128 digests instead of blake3 (session 21, a faster machine): verify and load
-overlapped 0.124-0.134 s.
+Each update logs its stage times (open; verify + load), which `benchmarks/weight_sync.py`
+collects from the server log.
 
-CPU tied-LM-head fix (measured bug in vLLM 0.32's CPU backend): each linear keeps a packed
+CPU tied-LM-head fix (a bug of vLLM 0.32's CPU backend): each linear keeps a packed
 private copy `layer.cpu_linear`; with tied embeddings the LM head receives no tensor of its own,
 so the reload never re-packs it and logits keep the old embedding. After finalising we re-run
 `quant_method.process_weights_after_loading` on every `VocabParallelEmbedding` that has
@@ -69,8 +67,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from rollout_bridge.weight_files import ExportError, check_export_files, load_export, open_export
+from rollout_bridge.weights import ExportError
+from rollout_bridge.weights.reader import check_export_files, load_export, open_export
 
 ENGINE_NAME = "jfp8rl_shm"
 ROLLBACK_FAILED_EXIT = 70  # the process exits with this when it cannot restore its weights
@@ -79,8 +79,6 @@ logger = logging.getLogger("vllm.jfp8rl_shm")
 
 def register() -> None:
     """Registers the `jfp8rl_shm` weight-transfer engine with vLLM (idempotent)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
     try:
         WeightTransferEngineFactory.register_engine(
             ENGINE_NAME, "rollout_bridge.vllm_plugin", "ShmWeightTransferEngine"
@@ -107,6 +105,8 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
 
 def repack_cpu_embeddings(model: torch.nn.Module) -> int:
     """Re-packs `cpu_linear` of every vocab embedding / LM head; returns how many were."""
+    # vLLM's model executor takes seconds to import; of the processes that import this plugin
+    # only the worker loading weights needs it (also below).
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     n = 0
@@ -151,7 +151,8 @@ def on_cores(cores: frozenset[int]) -> Iterator[None]:
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
-    """Loads `rollout_bridge.export` folders from shared memory into the served model."""
+    """Loads `rollout_bridge.export` folders (`rollout_bridge.weights` format) from shared
+    memory into the served model."""
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
@@ -182,12 +183,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         try:
             # Generation is paused: the hashing threads run on the engine's other cores (the
             # one vLLM's CPU backend reserves for its idle API server) while this thread loads
-            # on the core OpenMP pinned it to (measured, 100M bf16 export, 2 vCPUs: verify +
-            # load 0.257 s one after the other, 0.196-0.262 s overlapped). They start inside
+            # on the core OpenMP pinned it to, so verifying overlaps loading. They start inside
             # `on_cores` and keep its set; this thread goes back to its own core.
             with on_cores(hashing_cores()):
                 cores = sorted(os.sched_getaffinity(0))
-                manifest, stream = open_export(
+                stream, manifest = open_export(
                     path,
                     verify=True,
                     framework="pt",
@@ -231,13 +231,17 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def _begin_reload(self) -> None:
         if not self._reloading:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+            from vllm.model_executor.model_loader.reload import (  # worker only, heavy
+                initialize_layerwise_reload,
+            )
 
             initialize_layerwise_reload(self.model)
             self._reloading = True
 
     def _end_reload(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload import (  # worker only, heavy
+            finalize_layerwise_reload,
+        )
 
         finalize_layerwise_reload(self.model, self.model_config)
         self._reloading = False
@@ -259,7 +263,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def _rollback_weights(self) -> Iterator[tuple[str, Any]]:
         if self._served is None:
-            from vllm.model_executor.model_loader import get_model_loader
+            from vllm.model_executor.model_loader import get_model_loader  # worker only, heavy
 
             loader = get_model_loader(self.vllm_config.load_config)
             yield from loader.get_all_weights(self.model_config, self.model)

@@ -28,7 +28,7 @@ def vllm_venv() -> Path:
     """The vLLM venv, built or refreshed by scripts/setup_vllm_env.sh."""
     if skip_vllm():
         pytest.skip("JFP8RL_SKIP_VLLM=1: real-vLLM / transformers tests disabled")
-    from vllm_server import ensure_vllm_env
+    from bridge_support import ensure_vllm_env
 
     return ensure_vllm_env()
 

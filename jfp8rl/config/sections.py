@@ -18,7 +18,7 @@ from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.data.templates import check_prompt_template
 from losses.registry import ALGORITHMS
 from models.fp8 import RECIPES
-from rollout_bridge.weight_files import HASHES
+from rollout_bridge.weights.hashing import HASHES
 
 DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
 
@@ -136,7 +136,7 @@ class RolloutConfig:
     # The one server of backend "http" (empty: http://127.0.0.1:8000 unless `urls` is given).
     url: str = ""
     # Several servers (backend "http"): prompt groups spread over them by load, weights
-    # pushed to all, a failing server dropped (rollout_bridge.pool). Give `url` or `urls`.
+    # pushed to all, a failing server dropped (rollout_bridge.client.pool). Give `url` or `urls`.
     urls: list[str] = field(default_factory=list)
     # Folder the trainer writes weight exports to and the servers read them from: a
     # filesystem every server can read (/dev/shm only when they share this host). Empty: the
@@ -164,7 +164,7 @@ class RolloutConfig:
     # fp32; `jfp8rl.trainer.backends.push_format`). A bf16 push is rounded on the trainer's devices.
     export_format: str = ""
     # Per-tensor digest of each export, checked by the servers before they serve it
-    # (rollout_bridge.weights): "xxh3_128" (fast, not cryptographic), "blake3" or
+    # (rollout_bridge.weights.hashing): "xxh3_128" (fast, not cryptographic), "blake3" or
     # "sha256" (cryptographic: for an export_root that others than this run can write);
     # empty = xxh3_128.
     export_hash: str = ""

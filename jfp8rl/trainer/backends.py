@@ -17,10 +17,11 @@ from models.config import ModelConfig
 from models.fp8 import get_recipe
 from models.hf_io import iter_hf_state
 from rollout_bridge.backend import RolloutBackend, RolloutError
-from rollout_bridge.engine import EmbeddedBackend, default_export_format
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.pool import ServerPool
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.engine.embedded import EmbeddedBackend, default_export_format
 from rollout_bridge.export import fetch_dtype
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.pool import ServerPool
 
 
 def version(k: int) -> str:
@@ -54,15 +55,13 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
             export_format=push_format(r), export_root=root,
         )  # fmt: skip
-    kw: dict[str, Any] = {
-        "token": r.api_key or None, "timeout_s": r.timeout_s, "max_retries": r.max_retries,
-        "export_format": push_format(r), "export_hash": r.export_hash or None,
-    }  # fmt: skip
+    settings = ClientSettings(
+        token=r.api_key or None, timeout_s=r.timeout_s, max_retries=r.max_retries,
+        export_format=push_format(r), export_root=root, export_hash=r.export_hash or None,
+    )  # fmt: skip
     urls = r.server_urls()
     backend: RolloutBackend = (
-        ServerPool(urls, export_root=root, **kw)
-        if r.urls
-        else HttpBackend(urls[0], export_root=root, **kw)
+        ServerPool(urls, settings) if r.urls else HttpBackend(urls[0], settings)
     )
     if not backend.health():
         backend.close()

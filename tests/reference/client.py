@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout_bridge"))
-from vllm_server import SETUP_SCRIPT, vllm_venv  # noqa: E402  (one owner of the venv's path)
+from bridge_support import SETUP_SCRIPT, vllm_venv  # noqa: E402  (one owner of the venv's path)
 
 SCRIPT = Path(__file__).resolve().parent / "transformers_ref.py"
 

@@ -160,7 +160,7 @@ def _check_dumps(run_dir: Path, chat_dir: Path, ref_ids: list[list[int]], ref_te
 def test_parquet_math_runs_embedded_and_vllm(
     chat_dir: Path, parquet: Path, tmp_path: Path, vllm_venv: Path, refs: dict[bool, dict]
 ) -> None:
-    from vllm_server import VllmServer
+    from bridge_support import VllmServer
 
     cache = tmp_path / "jax"
     # Embedded engine, thinking off.

@@ -20,13 +20,12 @@ from tiny_run import TINY, small
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main
 from jfp8rl.trainer.checkpoint import Checkpointer
-from rollout_bridge.http_client import HttpBackend
+from rollout_bridge.client.http_backend import HttpBackend
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "rollout_bridge"))
 
-from serve_proc import ServeProcess  # noqa: E402  (the bridge's server fixtures)
-from vllm_server import VllmServer  # noqa: E402
+from bridge_support import ServeProcess, VllmServer  # noqa: E402  (the bridge's servers)
 
 
 def _finite_steps(run_dir: Path) -> list[int]:

@@ -1,4 +1,4 @@
-"""Several rollout servers (`rollout.urls`, `rollout_bridge.pool.ServerPool`) against real
+"""Several rollout servers (`rollout.urls`, `rollout_bridge.client.pool.ServerPool`) against real
 `python -m rollout_bridge.serve` processes on loopback.
 
 - The pool's samples (same seed) equal those of one server answering the whole batch, with 2
@@ -41,12 +41,12 @@ from jfp8rl.trainer.backends import make_backend
 from jfp8rl.trainer.checkpoint import Checkpointer
 from models.hf_io import load_hf, to_hf_state_dict
 from rollout_bridge.backend import SamplingParams
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.pool import ServerPool
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.pool import ServerPool
+from rollout_bridge.client.settings import ClientSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))
-from fake_server import Answer, FakeServer  # noqa: E402
-from serve_proc import ServeProcess  # noqa: E402
+from bridge_support import Answer, FakeServer, ServeProcess  # noqa: E402
 
 PROMPTS = [[49, 43, 50, 61], [72, 101, 108, 108, 111], [7] * 9, [51, 42, 52, 61], [65], [56] * 3]
 SAMPLING = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
@@ -122,7 +122,7 @@ def servers(base_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _version(url: str) -> str:
-    return HttpBackend(url, max_retries=0).weight_version()
+    return HttpBackend(url, ClientSettings(max_retries=0)).weight_version()
 
 
 def _same(a, b) -> None:
@@ -151,8 +151,8 @@ def test_pool_samples_equal_one_server_and_pushes_reach_all(
 ) -> None:
     urls = [s.url for s in servers]
     sp = SAMPLING
-    one = HttpBackend(urls[0], export_root=tmp_path / "one", max_retries=0)
-    pools = [ServerPool(urls[:k], export_root=tmp_path / f"p{k}") for k in (2, 3)]
+    one = HttpBackend(urls[0], ClientSettings(export_root=tmp_path / "one", max_retries=0))
+    pools = [ServerPool(urls[:k], ClientSettings(export_root=tmp_path / f"p{k}")) for k in (2, 3)]
     cfg, _, params = load_hf(base_policy_dir)
     hf = {k: v * 1.5 for k, v in to_hf_state_dict(cfg, params).items()}
     pools[1].push_weights(hf, "pushed-1")
@@ -186,8 +186,8 @@ def test_faulty_servers_are_dropped_and_their_prompts_resent(
                              "rollout.timeout_s=1", "rollout.max_retries=1"])  # fmt: skip
     pool = make_backend(cfg, SimpleNamespace(path=base_policy_dir), tmp_path)
     assert isinstance(pool, ServerPool)
-    assert {(s.timeout_s, s.max_retries) for s in pool.servers} == {(1.0, 1)}
-    one = HttpBackend(real, export_root=tmp_path / "one", max_retries=0)
+    assert {(s.settings.timeout_s, s.settings.max_retries) for s in pool.servers} == {(1.0, 1)}
+    one = HttpBackend(real, ClientSettings(export_root=tmp_path / "one", max_retries=0))
     one.generate(PROMPTS[:1], SAMPLING)  # compiles the one-prompt chunk's shape on the server
     ref = one.generate(PROMPTS, SAMPLING)
     t0 = time.time()
@@ -272,8 +272,8 @@ def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
     assert dead.proc.poll() is not None, "the previous test kills servers[2]"
     urls = [s.url for s in alive]
     hang, die = faulty("/update_weights", "hang"), faulty("/update_weights", "die")
-    pool = ServerPool([*urls, hang.url, die.url], export_root=tmp_path / "push", timeout_s=5,
-                      max_retries=1)  # fmt: skip
+    settings = ClientSettings(export_root=tmp_path / "push", timeout_s=5, max_retries=1)
+    pool = ServerPool([*urls, hang.url, die.url], settings)
     cfg, _, params = load_hf(base_policy_dir)
     hf = {k: v * 0.75 for k, v in to_hf_state_dict(cfg, params).items()}
     pool.push_weights(hf, "mid-push-1")
@@ -285,7 +285,7 @@ def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
     assert "RemoteDisconnected" in msg and "on POST /update_weights" in msg, msg
     # A sent update is never repeated (not idempotent); the dead one's resume was retried.
     assert hang.hits["/update_weights"] == die.hits["/update_weights"] == 1
-    one = HttpBackend(urls[0], export_root=tmp_path / "one", max_retries=0)
+    one = HttpBackend(urls[0], ClientSettings(export_root=tmp_path / "one", max_retries=0))
     ref = one.generate(PROMPTS, SAMPLING)
     assert {c.weight_version for c in ref} == {"mid-push-1"}
     _same(pool.generate(PROMPTS, SAMPLING), ref)  # the run goes on with the new version
@@ -295,8 +295,8 @@ def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
     ref_scores = one.score(seqs)
     assert [len(x) for x in ref_scores] == [len(s) for s in seqs]
     for k, pool_urls in enumerate((urls, [*urls, dead.url])):
-        scorer = ServerPool(pool_urls, export_root=tmp_path / f"score{k}", max_retries=1,
-                            backoff_s=0.05)  # fmt: skip
+        scorer = ServerPool(pool_urls, ClientSettings(export_root=tmp_path / f"score{k}",
+                                                      max_retries=1, backoff_s=0.05))  # fmt: skip
         got = scorer.score(seqs)
         assert [len(x) for x in got] == [len(s) for s in seqs]
         for x, y in zip(got, ref_scores, strict=True):  # another batch split: ~1e-7 apart
@@ -307,9 +307,9 @@ def test_push_survives_servers_dying_mid_push_and_score_equals_one_server(
     assert f"rollout server at {dead.url} is not running (connection refused)" in msg, msg
     # A server that holds another version than the pushed one (the same weights under another
     # label, pushed behind the pool's back) is dropped from score as from generate.
-    scorer = ServerPool(urls, export_root=tmp_path / "score_v", max_retries=0)
+    scorer = ServerPool(urls, ClientSettings(export_root=tmp_path / "score_v", max_retries=0))
     scorer.push_weights(hf, "score-v")
-    stray = HttpBackend(urls[1], export_root=tmp_path / "stray", max_retries=0)
+    stray = HttpBackend(urls[1], ClientSettings(export_root=tmp_path / "stray", max_retries=0))
     stray.push_weights(hf, "stray")
     got = scorer.score(seqs)
     for x, y in zip(got, ref_scores, strict=True):

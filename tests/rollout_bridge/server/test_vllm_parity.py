@@ -3,7 +3,7 @@
 The same raw JSON requests go to both; the responses must have the same shape (keys and
 value types, recursively) and the same numbers: greedy token ids, finish/stop reasons,
 prompt token ids, token strings, and logprobs to 1e-4 (our engine with the bf16 recipe and
-f32 compute is the fp32 model vLLM runs; measured ~1e-6 in ROLLOUT.md). This is what "the
+f32 compute is the fp32 model vLLM runs; docs/rollout.md section 5). This is what "the
 client cannot tell it from vLLM" means, checked on the wire rather than through our client.
 """
 
@@ -20,13 +20,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bridge_support import VllmServer
 
 from models.config import get_config
 from models.functional import init_model
 from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
-from rollout_bridge.engine import EmbeddedBackend
-from rollout_bridge.serve import ServerState, make_server
+from rollout_bridge.engine.embedded import EmbeddedBackend
+from rollout_bridge.server.http_server import ServerState, make_server
 
 pytestmark = pytest.mark.vllm
 
@@ -36,8 +37,6 @@ PROMPTS = [[72, 101, 108, 108, 111, 32], [49, 43, 50, 61, 51, 10, 50, 43]]
 
 @pytest.fixture(scope="module")
 def servers(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    from vllm_server import VllmServer
-
     cfg = get_config("tiny_qwen2_vllm")  # vLLM's CPU attention refuses head_dim 16
     _, params = init_model(cfg, 0)
     model_dir = save_hf(tmp_path_factory.mktemp("parity_hf"), cfg, params, build_byte_tokenizer())

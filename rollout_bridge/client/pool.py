@@ -19,8 +19,9 @@ version on each).
 Failures: a server whose request fails (`RolloutError`: connection refused, timeout after the
 client's retries, a malformed answer, a weight version other than the one pushed; any other
 exception of its call counts too, so a chunk is never left in flight) is dropped with a
-warning naming its URL; its chunk goes back to the queue for the others, and the run goes on. When no server is left, `RolloutError` lists every server's failure (the trainer then
-stops with its checkpoint and the resume command, `jfp8rl.loop`).
+warning naming its URL; its chunk goes back to the queue for the others, and the run goes on.
+When no server is left, `RolloutError` lists every server's failure (the trainer then stops
+with its checkpoint and the resume command, `jfp8rl.loop`).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from rollout_bridge.backend import (
     RolloutError,
     SamplingParams,
 )
-from rollout_bridge.export import ExportFormat, export_weights
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import default_root
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.export import export_weights
+from rollout_bridge.weights.store import default_root
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,13 +65,10 @@ class ServerPool(RolloutBackend):
 
     Args:
       urls: server base URLs (at least one, no duplicates).
-      token, timeout_s, max_retries, backoff_s: for each server's `HttpBackend`.
-      export_format: rollout format of pushed weights (`rollout_bridge.export`).
-      export_root: folder for exports, readable by every server (a shared filesystem when
-        they run on other hosts; /dev/shm only when all share this host). Default
-        `weight_files.default_root()`, removed by `close()`.
-      keep_versions: exported versions kept on disk.
-      export_hash: per-tensor digest of the exports (`weight_files.HASHES`; None: the default).
+      settings: as for `HttpBackend`, shared by every server; `export_root` must be readable
+        by all of them (a shared filesystem when they run on other hosts; /dev/shm only when
+        all share this host). None there: `weights.store.default_root()`, removed by
+        `close()`.
       chunks_per_server: queue chunks per live server in one call (more: finer balancing,
         smaller batches per request).
     """
@@ -77,15 +76,8 @@ class ServerPool(RolloutBackend):
     def __init__(
         self,
         urls: Sequence[str],
+        settings: ClientSettings | None = None,
         *,
-        token: str | None = None,
-        export_format: ExportFormat = "bf16",
-        export_root: str | Path | None = None,
-        keep_versions: int = 2,
-        export_hash: str | None = None,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
         chunks_per_server: int = 2,
     ) -> None:
         urls = [u.rstrip("/") for u in urls]
@@ -94,25 +86,13 @@ class ServerPool(RolloutBackend):
         dup = sorted({u for u in urls if urls.count(u) > 1})
         if dup:
             raise RolloutError(f"rollout pool: server URL(s) {dup} listed twice in rollout.urls")
-        self._owns_root = export_root is None
-        self.export_root = Path(export_root) if export_root is not None else default_root()
-        self.export_format = export_format
-        self.keep_versions = keep_versions
-        self.export_hash = export_hash
+        settings = settings or ClientSettings()
+        self._owns_root = settings.export_root is None
+        self.export_root = settings.export_root or default_root()
+        # Every server is told the one root the pool exports into.
+        self.settings = dataclasses.replace(settings, export_root=self.export_root)
         self.chunks_per_server = max(1, chunks_per_server)
-        self.servers = [
-            HttpBackend(
-                u,
-                token=token,
-                export_format=export_format,
-                export_root=self.export_root,
-                keep_versions=keep_versions,
-                timeout_s=timeout_s,
-                max_retries=max_retries,
-                backoff_s=backoff_s,
-            )  # fmt: skip
-            for u in urls
-        ]
+        self.servers = [HttpBackend(u, self.settings) for u in urls]
         self.live: list[HttpBackend] = list(self.servers)
         self.failures: dict[str, str] = {}  # url -> why it was dropped
         self._version: str | None = None  # the version pushed to every live server
@@ -265,9 +245,10 @@ class ServerPool(RolloutBackend):
         """One export, installed on every live server in parallel; each one's /weight_info
         must then report `version` (`HttpBackend.push_export`)."""
         self._check_open()
+        s = self.settings
         path = export_weights(
-            hf_state, version, fmt=self.export_format, root=self.export_root,
-            keep=self.keep_versions, hash_name=self.export_hash,
+            hf_state, version, fmt=s.export_format, root=self.export_root,
+            keep=s.keep_versions, hash_name=s.export_hash,
         )  # fmt: skip
         self.push_export(path, version)
 

@@ -1,10 +1,10 @@
-"""vLLM 0.32's OpenAI-compatible JSON, built and parsed: the wire format of `rollout_bridge.serve`.
+"""vLLM 0.32's OpenAI-compatible JSON, built and parsed: the wire format of our server.
 
 Pure functions (no HTTP, no engine calls): a `/v1/completions` request body -> validated
 `CompletionRequest`; engine `Completion`s (+ prompt scores) -> the response body; the
 `/v1/models` body; vLLM's error body `{"error": {"message", "type", "param", "code"}}`.
 Key order, values and defaults follow a real vLLM, field by field
-(`tests/rollout_bridge/test_serve_vllm_parity.py` compares the two servers' JSON).
+(`tests/rollout_bridge/server/test_vllm_parity.py` compares the two servers' JSON).
 
 Text fields need a `tokenizers.Tokenizer`; without one (`tokenizer=None`) text is "" and
 tokens are reported as "token_id:<id>".

@@ -1,9 +1,9 @@
-"""`HttpBackend` error handling, without vLLM.
+"""`HttpBackend` error handling and `ClientSettings` checks, without vLLM.
 
-The happy path runs against a real vLLM in test_http_client_vllm.py. A real server cannot be
-made to answer with an aborted request, a -9999 clamp, a NaN or a transient 503 on demand, so
-those paths use a stdlib HTTP server (`fake_server.FakeServer`) that replays canned vLLM-shaped
-JSON and records what the client sent.
+The happy path runs against a real vLLM in tests/rollout_bridge/test_vllm_plugin.py. A real
+server cannot be made to answer with an aborted request, a -9999 clamp, a NaN or a transient
+503 on demand, so those paths use a stdlib HTTP server (`bridge_support.FakeServer`) that
+replays canned vLLM-shaped JSON and records what the client sent.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_server import Answer, FakeServer
+from bridge_support import Answer, FakeServer
 
 from rollout_bridge.backend import RolloutError, SamplingParams
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import load_export
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.weights.reader import load_export
 
 
 class Canned(FakeServer):
@@ -60,7 +61,7 @@ def test_down_server_names_url_and_fix() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    client = HttpBackend(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.01)
+    client = HttpBackend(f"http://127.0.0.1:{port}", ClientSettings(max_retries=2, backoff_s=0.01))
     assert not client.health()
     with pytest.raises(RolloutError) as err:
         client.generate([[1, 2]], SamplingParams())
@@ -76,7 +77,7 @@ def test_request_fields_token_and_parsing(canned: tuple[Canned, str]) -> None:
         200,
         {"choices": [_choice(1, [5], [-0.5], "stop"), _choice(0, [3, 4], [-1.0, -2.0])]},
     )
-    client = HttpBackend(url, token="s3cret")
+    client = HttpBackend(url, ClientSettings(token="s3cret"))
     comps = client.generate([[1, 2]], SamplingParams(n=2, max_tokens=2, seed=7, top_k=0))
     assert [c.response_ids.tolist() for c in comps] == [[3, 4], [5]]  # reordered by index
     np.testing.assert_array_equal(comps[0].logprobs, np.float32([-1.0, -2.0]))
@@ -132,7 +133,7 @@ def test_transient_errors_are_retried_then_reported(canned: tuple[Canned, str]) 
     state, url = canned
     state.reply("/v1/completions", 503, {"error": "busy"})
     state.reply("/v1/completions", 200, {"choices": [_choice(0, [3], [-1.0])]})
-    client = HttpBackend(url, max_retries=2, backoff_s=0.01)
+    client = HttpBackend(url, ClientSettings(max_retries=2, backoff_s=0.01))
     assert client.generate([[1, 2]], SamplingParams())[0].response_ids.tolist() == [3]
     for _ in range(3):
         state.reply("/v1/completions", 503, {"error": "busy"})
@@ -145,7 +146,7 @@ def test_transient_errors_are_retried_then_reported(canned: tuple[Canned, str]) 
 
 def test_push_sequence_and_resume_after_failure(canned: tuple[Canned, str], tmp_path: Path) -> None:
     state, url = canned
-    client = HttpBackend(url, export_format="fp32", export_root=tmp_path)
+    client = HttpBackend(url, ClientSettings(export_format="fp32", export_root=tmp_path))
     w = {"model.norm.weight": np.arange(4, dtype=np.float32)}
     client.push_weights(w, "step-1")
     routes = [(m, p) for m, p, _, _ in state.log]
@@ -177,3 +178,19 @@ def test_push_sequence_and_resume_after_failure(canned: tuple[Canned, str], tmp_
         "/resume",
     ]
     assert client.weight_version() == "step-1"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("export_format", "fp16", r"export_format='fp16'; choose one of \('fp32'"),
+        ("export_hash", "md5", r"export_hash='md5'; choose one of \('xxh3_128'"),
+        ("keep_versions", 0, "keep_versions=0; keep at least the served version"),
+        ("timeout_s", 0.0, "timeout_s=0.0 must be > 0"),
+        ("max_retries", -1, "max_retries=-1, backoff_s=0.5: both must be >= 0"),
+    ],
+)
+def test_settings_are_checked_at_construction(field: str, value: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ClientSettings(**{field: value})
+    assert ClientSettings(export_root="/x").export_root == Path("/x")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
-from rollout_bridge import sampling
+from rollout_bridge.engine import sampling
 
 
 def _ref_logpi(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:

