@@ -10,7 +10,7 @@ Rows, per shape (x [M, K] and w [K, N] in bf16, output bf16):
   fp8_tensor    per-tensor FP8 through XLA: quantize, dequantize -> dot with scalar scales,
                 which XLA's GEMM rewriter may turn into a cuBLASLt FP8 GEMM on a GPU
   fp8_block     the block recipe (1x128 / 128x128) on the emulate backend: f32 dot
-  fp8_block_pallas  the block recipe on the Mosaic GPU kernel (models/fp8_kernels), including
+  fp8_block_pallas  the block recipe on the Mosaic GPU kernel (models/fp8/kernels), including
                 the quantizers and transposed FP8 copies that stay in XLA
   kernel_only   the kernel's forward GEMM alone, on pre-quantized operands (forward only)
 Each row gives the median time of the jitted forward and forward+backward, TFLOP/s
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from timing import median_seconds  # benchmarks/timing.py (scripts run from this folder)
 
 from models import fp8
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
 
 SHAPES = {  # name -> (M, K, N)
     "small": (256, 384, 256),

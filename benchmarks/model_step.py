@@ -26,7 +26,7 @@ from models import functional as F
 from models.config import ModelConfig
 
 RECIPES = {name: fp8.get_recipe(name) for name in ("bf16", "fp8_tensor", "fp8_row", "fp8_block")}
-# The block recipe on the Hopper kernel (models/fp8_kernels). Off a GPU it runs in the Mosaic
+# The block recipe on the Hopper kernel (models/fp8/kernels). Off a GPU it runs in the Mosaic
 # GPU interpreter, far too slowly for this model: there it runs only when asked (--recipes).
 RECIPES["fp8_block_pallas"] = fp8.get_recipe("fp8_block", backend="pallas")
 

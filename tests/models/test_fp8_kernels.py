@@ -23,7 +23,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from models import fp8
 from models import functional as F
 from models.config import get_config
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
 
 LINEAR_DN = (((1,), (0,)), ((), ()))
 F32_REL = 1e-5
