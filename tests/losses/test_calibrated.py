@@ -134,7 +134,7 @@ class PropertiesTest(chex.TestCase, parameterized.TestCase):
             state, _ = CALIB(C.init_calib_state(cfg), cfg, r16, r16, adv_ref, mask_ref)
             for name, a in (("orig", adv), ("scaled", scaled)):
                 _, hi = jax.jit(C.solve_bounds, static_argnums=4)(
-                    C._stats_of(state), r8, a, mask, cfg
+                    state.reference(), r8, a, mask, cfg
                 )
                 uppers[balance, name] = float(hi)
             # The relative reference itself ignores a rescaled reference batch.
@@ -256,7 +256,7 @@ class ModesTest(chex.TestCase):
 
         state, _ = CALIB(C.init_calib_state(CFG), CFG, r8, r16, adv, mask)
         lo_raw, hi_raw = jax.jit(C.solve_bounds, static_argnums=4)(
-            C._stats_of(state), r8b, adv, mask, CFG
+            state.reference(), r8b, adv, mask, CFG
         )
         s2, lo, hi, aux = BOUNDS(state, CFG, r8b, adv, mask)
         np.testing.assert_allclose(lo, 0.9 * state.lower + 0.1 * lo_raw, rtol=1e-6)
