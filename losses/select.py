@@ -6,8 +6,9 @@
 
 exactly (to the float32 grid), which gives order statistics (w = 1: the k-th smallest value
 is the x found for target k+1, minus one ulp) and the balance threshold of Calibrated Clipping
-(w = A r). Why not a sort: XLA's sort of B*T = 2M keys costs ~50x the clipped loss itself on
-CPU and far more than it on GPU; this is two histogram passes instead. Positive float32
+(w = A r). Why not a sort: XLA's sort of B*T keys costs many times the clipped loss itself
+(`python benchmarks/loss_overhead.py` times the solver beside a key-value sort); this is two
+histogram passes instead. Positive float32
 values order like their int32 bit patterns, so the search runs on bits: pass 1 bins [lo, hi]
 into <= 4096 buckets of 2^s consecutive floats (a scatter-add of w), a cumulative sum locates
 the bucket where F crosses `target`; pass 2 bins that bucket at one-ulp resolution. lo and hi

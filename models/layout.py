@@ -1,13 +1,12 @@
-"""Converting trees saved in the per-layer param layout to the stacked one (checkpoints of runs
-made before the layers were stacked).
+"""Converting trees in the per-layer param layout to the stacked one the model uses.
 
-Before: `model.layers.{i}.<...>` with integer keys 0..L-1 (orbax writes them back as strings
-"0".."L-1"), each leaf one layer's tensor. Now: `model.layers.<...>` with every leaf stacked on
-a leading layer axis [L, ...] (`models.decoder.stacked_layers`). The conversion is exact (a
+Per-layer: `model.layers.{i}.<...>` with integer keys 0..L-1 (orbax writes them back as strings
+"0".."L-1"), each leaf one layer's tensor. Stacked: `model.layers.<...>` with every leaf on a
+leading layer axis [L, ...] (`models.decoder.stacked_layers`). The conversion is exact (a
 `numpy.stack`) and applies wherever such a `layers` dict sits, so the params and an optimizer
 state's moments (`mu`, `nu`, which mirror the params) convert alike.
 
-Use: restore the old checkpoint without a target (raw nested dicts of arrays), check
+Use: restore a per-layer checkpoint without a target (raw nested dicts of arrays), check
 `has_per_layer_layers`, convert with `stack_per_layer_layers`, then restore into the new
 structure from the converted tree.
 """
