@@ -128,7 +128,7 @@ def param_partition_specs(
 
 def param_shardings(cfg: ModelConfig, params: Any, mesh: Mesh, **axes: str) -> Any:
     """`param_partition_specs` as `NamedSharding`s on `mesh` (for `jax.jit` in/out shardings,
-    `jax.device_put`, or `hf_io.from_hf_state_dict(shardings=...)`)."""
+    `jax.device_put`, or `hf_state.from_hf_state_dict(shardings=...)`)."""
     specs = param_partition_specs(cfg, params, mesh.shape, **axes)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
