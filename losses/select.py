@@ -75,7 +75,7 @@ def search_min(v: Array, w: Array, target: Array, lo: float, hi: float) -> tuple
     m = jnp.searchsorted(cum2, target, side="left")
     # cum1[j] and cum2[-1] sum the same bucket in different orders, so float rounding can
     # leave cum2 just short of a target that cum1[j] reached: the crossing is then the
-    # bucket's last non-empty bin (without this, the search reported "not found" and x = hi).
+    # bucket's last non-empty bin (otherwise the search would report "not found" and x = hi).
     last = jnp.max(jnp.where(in2 & (w > 0), idx2, 0))
     m = jnp.where((m >= n2) & (cum1[j] >= target), last, m)
     # F(from_bits(base2 + m + 1)) = cum2[m]: the crossing value is at base2 + m, x one ulp above.

@@ -216,8 +216,8 @@ def from_hf_state_dict(
     ]
     if unexpected:
         raise ValueError(
-            f"{_all_sources(source)}: {len(unexpected)} unexpected tensor(s), e.g. {sorted(unexpected)[:5]}; "
-            f"the checkpoint does not match arch={cfg.arch!r} with {cfg.num_layers} layers"
+            f"{_all_sources(source)}: {len(unexpected)} unexpected tensor(s), e.g. "
+            f"{sorted(unexpected)[:5]}; the checkpoint does not match arch={cfg.arch!r} with {cfg.num_layers} layers"
         )
     pure_shardings = None if shardings is None else nnx.to_pure_dict(shardings)
     for path, rows in by_path.items():
