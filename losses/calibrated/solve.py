@@ -45,7 +45,7 @@ from jax import Array
 from jaxtyping import Float
 
 from losses.calibrated.config import CalibConfig
-from losses.calibrated.stats import F32, prep_ratios, unclipped_balance
+from losses.calibrated.stats import prep_ratios, unclipped_balance
 from losses.select import prev_float, search_min
 
 
@@ -63,7 +63,7 @@ def solve_bounds(
     range_lo, range_hi = cfg.range
     v, a, o = r.reshape(-1), adv.reshape(-1), on.reshape(-1)
     neg, pos = o & (a < 0), o & (a > 0)
-    neg_w, pos_w = neg.astype(F32), pos.astype(F32)
+    neg_w, pos_w = neg.astype(jnp.float32), pos.astype(jnp.float32)
     n_neg, n_pos = jnp.sum(neg_w), jnp.sum(pos_w)
 
     # Lower: L must leave exactly k tokens of N strictly below it. c(x) = #{N : r < x}.
@@ -92,7 +92,7 @@ def solve_bounds(
         upper = jnp.where(found, jnp.where(plain_ok, plain_hi, h_min), range_hi)
         ok = stats["p_ref_ok"] & (n_pos > 0) & (den > 0)
     elif cfg.upper_rule == "plain":
-        upper, ok = jnp.asarray(plain_hi, F32), jnp.asarray(True)
+        upper, ok = jnp.asarray(plain_hi, jnp.float32), jnp.asarray(True)
     else:
         # H must leave exactly m tokens of P above it: need = #{P : r <= H} = |P| - m.
         m = jnp.clip(jnp.round(stats["beta_up"] * n_pos), 0.0, n_pos)

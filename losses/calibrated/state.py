@@ -39,7 +39,6 @@ from jaxtyping import Bool, Float, Int
 from losses.calibrated.config import CalibConfig
 from losses.calibrated.solve import solve_bounds
 from losses.calibrated.stats import (
-    F32,
     balance_parts,
     prep_ratios,
     reference_stats,
@@ -82,7 +81,7 @@ jax.tree_util.register_dataclass(
 def init_calib_state(cfg: CalibConfig) -> CalibState:
     """State before any calibration: the plain bounds, no reference stats."""
     lo, hi = cfg.plain_bounds
-    f = lambda v: jnp.asarray(v, F32)  # noqa: E731
+    f = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
     b = lambda v: jnp.asarray(v, jnp.bool_)  # noqa: E731
     return CalibState(
         lower=f(lo),
@@ -157,7 +156,7 @@ def calibrate(
         "calib/bf16_clipfrac_neg_lower": ref["alpha"],
         "calib/bf16_clipfrac_pos_upper": ref["beta_up"],
         "calib/balance_bf16": ref["balance_bf16"],
-        "calib/updated": jnp.asarray(1.0, F32),
+        "calib/updated": jnp.asarray(1.0, jnp.float32),
         **_fp8_metrics(lo, hi, r_fp8, adv, mask, cfg),
     }
     return new, aux
@@ -201,8 +200,8 @@ def current_bounds(
         )
         lo = jnp.where(state.initialized, lo, plain_lo)
         hi = jnp.where(state.initialized, hi, plain_hi)
-    lo = jax.lax.stop_gradient(jnp.asarray(lo, F32))
-    hi = jax.lax.stop_gradient(jnp.asarray(hi, F32))
+    lo = jax.lax.stop_gradient(jnp.asarray(lo, jnp.float32))
+    hi = jax.lax.stop_gradient(jnp.asarray(hi, jnp.float32))
     aux = {
         "calib/lower": lo,
         "calib/upper": hi,
@@ -211,7 +210,7 @@ def current_bounds(
         "calib/alpha": state.alpha,
         "calib/p_ref": state.p_ref,
         "calib/beta_up": state.beta_up,
-        "calib/updated": updated.astype(F32),
+        "calib/updated": updated.astype(jnp.float32),
         **_fp8_metrics(lo, hi, r_fp8, adv, mask, cfg),
     }
     return new, lo, hi, aux

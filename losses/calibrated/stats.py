@@ -16,15 +16,15 @@ from losses.calibrated.config import CalibConfig
 from losses.masked import safe_div
 from losses.policy import check_token_inputs
 
-F32 = jnp.float32
+_F32 = jnp.float32
 
 
 def prep_ratios(r: Array, adv: Array, mask: Array, r_name: str) -> tuple[Array, Array, Array]:
     """Checked, stop-gradient f32 (r, adv, on): masked tokens get r = 1 and A = 0."""
     check_token_inputs(mask, **{r_name: r}, adv=adv)
     on = mask != 0
-    r = jax.lax.stop_gradient(jnp.where(on, r.astype(F32), 1.0))
-    adv = jax.lax.stop_gradient(jnp.where(on, adv.astype(F32), 0.0))
+    r = jax.lax.stop_gradient(jnp.where(on, r.astype(_F32), 1.0))
+    adv = jax.lax.stop_gradient(jnp.where(on, adv.astype(_F32), 0.0))
     return r, adv, on
 
 
@@ -32,7 +32,7 @@ def balance_parts(
     lo: Array | float, hi: Array | float, r: Array, adv: Array, on: Array
 ) -> tuple[Array, Array]:
     """Numerator and denominator of the balance at bounds (lo, hi), of prepared inputs."""
-    lo, hi = jnp.asarray(lo, F32), jnp.asarray(hi, F32)
+    lo, hi = jnp.asarray(lo, _F32), jnp.asarray(hi, _F32)
     num = jnp.sum(jnp.where(on & (adv > 0) & (r < hi), adv * r, 0.0))
     den = jnp.sum(jnp.where(on & (adv < 0) & (r > lo), -adv * r, 0.0))
     return num, den
@@ -45,8 +45,8 @@ def unclipped_balance(r: Array, adv: Array, on: Array) -> Array:
 
 def share_of(cond: Array, subset: Array) -> tuple[Array, Array]:
     """(share of `subset` where `cond` holds, size of `subset`); share 0 when it is empty."""
-    n = jnp.sum(subset.astype(F32))
-    return safe_div(jnp.sum((cond & subset).astype(F32)), n), n
+    n = jnp.sum(subset.astype(_F32))
+    return safe_div(jnp.sum((cond & subset).astype(_F32)), n), n
 
 
 def balance(
@@ -86,7 +86,7 @@ def clip_stats(
     (penalising gradient zeroed), `pos_upper` the share of P with r > hi, `balance`
     balance(lo, hi, r), and the counts `n_neg`, `n_pos` (the audit's columns)."""
     r, adv, on = prep_ratios(r, adv, mask, "r")
-    lo, hi = jnp.asarray(lo, F32), jnp.asarray(hi, F32)
+    lo, hi = jnp.asarray(lo, _F32), jnp.asarray(hi, _F32)
     neg_lower, n_neg = share_of(r < lo, on & (adv < 0))
     pos_upper, n_pos = share_of(r > hi, on & (adv > 0))
     return {
