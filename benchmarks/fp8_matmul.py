@@ -10,14 +10,14 @@ Rows, per shape (x [M, K] and w [K, N] in bf16, output bf16):
   fp8_tensor    per-tensor FP8 through XLA: quantize, dequantize -> dot with scalar scales,
                 which XLA's GEMM rewriter may turn into a cuBLASLt FP8 GEMM on a GPU
   fp8_block     the block recipe (1x128 / 128x128) on the emulate backend: f32 dot
-  fp8_block_pallas  the block recipe on the Mosaic GPU kernel (models/fp8_kernels), including
+  fp8_block_pallas  the block recipe on the Mosaic GPU kernel (models/fp8/kernels), including
                 the quantizers and transposed FP8 copies that stay in XLA
   kernel_only   the kernel's forward GEMM alone, on pre-quantized operands (forward only)
 Each row gives the median time of the jitted forward and forward+backward, TFLOP/s
 (2MKN per forward, 6MKN per forward+backward) and the speedup over bf16 (bf16 time / time;
 > 1 is faster). The `gemm` column names the GEMM that the compiled HLO calls (cublasLt-f8,
-cublas, mosaic, interpreter, or xla): it shows whether the FP8 paths hit FP8 GEMMs at all. It asserts
-nothing: only ratios measured in the same run mean anything. On CPU the kernel runs in the
+cublas, mosaic, interpreter, or xla): it shows whether the FP8 paths hit FP8 GEMMs at all. It
+asserts nothing: only ratios measured in the same run mean anything. On CPU the kernel runs in the
 Mosaic GPU interpreter (a correctness tool, orders of magnitude slower): the CPU run only
 checks that the benchmark works.
 """
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from timing import median_seconds  # benchmarks/timing.py (scripts run from this folder)
 
 from models import fp8
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
 
 SHAPES = {  # name -> (M, K, N)
     "small": (256, 384, 256),
@@ -44,10 +44,9 @@ SHAPES = {  # name -> (M, K, N)
 }
 GPU_SHAPES = ("4096", "qwen3_8b_up", "qwen3_8b_down", "qwen3_8b_attn")
 LINEAR_DN = (((1,), (0,)), ((), ()))
-RECIPES = {
-    "bf16": fp8.BF16,
-    "fp8_tensor": fp8.FP8_TENSOR,
-    "fp8_block": fp8.FP8_BLOCK,
+# The table's rows: three recipes of the registry, then the block recipe on the Hopper kernel.
+ROW_RECIPES = {
+    **{name: fp8.RECIPES[name] for name in ("bf16", "fp8_tensor", "fp8_block")},
     "fp8_block_pallas": fp8.get_recipe("fp8_block", backend="pallas"),
 }
 SWEEP = (  # kernel configs tried by --sweep (bf16 output; all fit gemm.SMEM_BYTES)
@@ -89,7 +88,7 @@ def bench_shape(m: int, k: int, n: int, repeats: int, sweep: bool) -> list[tuple
     # A random cotangent passed as an argument: a constant one would be folded.
     cot = jax.random.normal(kc, (m, n), jnp.bfloat16)
     rows = []
-    for label, recipe in RECIPES.items():
+    for label, recipe in ROW_RECIPES.items():
         dot = fp8.make_dot_general(recipe)
 
         def fwd(a, b, dot=dot):

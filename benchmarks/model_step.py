@@ -25,10 +25,10 @@ from models import fp8
 from models import functional as F
 from models.config import ModelConfig
 
-RECIPES = {name: fp8.get_recipe(name) for name in ("bf16", "fp8_tensor", "fp8_row", "fp8_block")}
-# The block recipe on the Hopper kernel (models/fp8_kernels). Off a GPU it runs in the Mosaic
-# GPU interpreter, far too slowly for this model: there it runs only when asked (--recipes).
-RECIPES["fp8_block_pallas"] = fp8.get_recipe("fp8_block", backend="pallas")
+# The registry's recipes, and the block recipe on the Hopper kernel (models/fp8/kernels). Off a
+# GPU the kernel runs in the Mosaic GPU interpreter, far too slowly for this model: there it
+# runs only when asked (--recipes).
+BENCH_RECIPES = {**fp8.RECIPES, "fp8_block_pallas": fp8.get_recipe("fp8_block", backend="pallas")}
 
 
 def _mem_bytes(compiled) -> int:
@@ -51,7 +51,7 @@ def bench_step(cfg: ModelConfig, batch: int, seq: int, steps: int, recipe_names:
     rows = {}
     grads = {}
     for name in recipe_names:
-        recipe = RECIPES[name]
+        recipe = BENCH_RECIPES[name]
 
         def loss(p, recipe=recipe):
             lp = F.token_logprobs(graphdef, p, tokens, mask, recipe=recipe, chunk_size=128)
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument(
         "--recipes",
         nargs="*",
-        choices=list(RECIPES),
+        choices=list(BENCH_RECIPES),
         help="default: all; fp8_block_pallas only on a GPU (bf16 always runs: the baseline)",
     )
     ap.add_argument("--lp-vocab", type=int, default=151936)
@@ -160,7 +160,7 @@ def main() -> None:
         compute_dtype=jnp.bfloat16,
     )
     names = args.recipes or [
-        n for n in RECIPES if jax.default_backend() == "gpu" or n != "fp8_block_pallas"
+        n for n in BENCH_RECIPES if jax.default_backend() == "gpu" or n != "fp8_block_pallas"
     ]
     names = ["bf16", *(n for n in names if n != "bf16")]
     bench_step(cfg, args.batch, args.seq, args.steps, names)

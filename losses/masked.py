@@ -13,8 +13,8 @@ n_b = sum_t m_bt the length of sequence b and v_b = [n_b > 0]:
 
 with L_norm = the padded length T unless `loss_scale_len` is given (Dr.GRPO asks for a
 constant, e.g. the generation budget). Fully masked sequences are excluded from every sequence
-mean. Note: verl releases before 0.6 divided `seq-mean-token-sum-norm` by L_norm only (a sum over
-sequences, not a mean); we follow the current verl, which also divides by the sequence count.
+mean. `seq-mean-token-sum-norm` divides by the sequence count too, as verl >= 0.6 does (earlier
+verl releases divided by L_norm only: a sum over sequences, not a mean).
 """
 
 from __future__ import annotations

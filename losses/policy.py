@@ -23,7 +23,7 @@ seq-mean-token-sum, seq-mean-token-sum-norm.
 
 Metrics (aux). Fractions are over ALL response tokens (verl's convention for pg_clipfrac and
 pg_clipfrac_lower), except the two `*_of_neg` / `*_of_pos` shares, which are over the tokens
-of that advantage sign (the quantity PAPER.md quotes: "share of negative-advantage tokens
+of that advantage sign (the quantity docs/paper.md quotes: "share of negative-advantage tokens
 clipped below 0.8"; also what `calib/fp8_clipfrac_neg_lower_*` report):
     actor/pg_loss               the aggregated loss
     actor/pg_loss_num, _den     its numerator and denominator (sum both over shards, divide once)

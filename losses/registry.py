@@ -15,7 +15,7 @@ Defaults follow the papers and verl's example scripts:
     gspo     grpo (std)   seq-mean-token-mean      3e-4     4e-4      sequence  none  none
 
 Dual-clip c = 3 is on by default as in verl's vanilla loss (clip_ratio_c = 3.0, applied
-unconditionally there) and as DESIGN.md asks; note that verl's DAPO example scripts set
+unconditionally there) and as docs/design.md asks; note that verl's DAPO example scripts set
 clip_ratio_c = 10.0 (`dataclasses.replace(algo, dual_clip=10.0)` to match them); set
 `dual_clip=None` to turn it off. DAPO's dynamic sampling and
 overlong shaping are data-side and live in the trainer.

@@ -6,8 +6,9 @@
 
 exactly (to the float32 grid), which gives order statistics (w = 1: the k-th smallest value
 is the x found for target k+1, minus one ulp) and the balance threshold of Calibrated Clipping
-(w = A r). Why not a sort: XLA's sort of B*T = 2M keys costs ~50x the clipped loss itself on
-CPU and far more than it on GPU; this is two histogram passes instead. Positive float32
+(w = A r). Why not a sort: XLA's sort of B*T keys costs many times the clipped loss itself
+(`python benchmarks/loss_overhead.py` times the solver beside a key-value sort); this is two
+histogram passes instead. Positive float32
 values order like their int32 bit patterns, so the search runs on bits: pass 1 bins [lo, hi]
 into <= 4096 buckets of 2^s consecutive floats (a scatter-add of w), a cumulative sum locates
 the bucket where F crosses `target`; pass 2 bins that bucket at one-ulp resolution. lo and hi
@@ -74,7 +75,7 @@ def search_min(v: Array, w: Array, target: Array, lo: float, hi: float) -> tuple
     m = jnp.searchsorted(cum2, target, side="left")
     # cum1[j] and cum2[-1] sum the same bucket in different orders, so float rounding can
     # leave cum2 just short of a target that cum1[j] reached: the crossing is then the
-    # bucket's last non-empty bin (without this, the search reported "not found" and x = hi).
+    # bucket's last non-empty bin (otherwise the search would report "not found" and x = hi).
     last = jnp.max(jnp.where(in2 & (w > 0), idx2, 0))
     m = jnp.where((m >= n2) & (cum1[j] >= target), last, m)
     # F(from_bits(base2 + m + 1)) = cum2[m]: the crossing value is at base2 + m, x one ulp above.

@@ -1,6 +1,6 @@
 """The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3) as Flax NNX modules.
 
-Module attribute names follow the HF checkpoints, so the name map in `hf_io.py` is a plain
+Module attribute names follow the HF checkpoints, so the name map in `hf_state.py` is a plain
 table. The decoder layers are *stacked*: `model.layers` is one `DecoderLayer` whose params carry
 a leading layer axis [L, ...] (`model.layers.self_attn.q_proj.kernel[i]` <->
 `model.layers.{i}.self_attn.q_proj.weight`), and `Decoder.hidden_states` applies them with one

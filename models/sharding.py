@@ -1,4 +1,6 @@
-"""Partition specs of the model params over a {data, fsdp, tensor} mesh (DESIGN.md section 9).
+"""Partition specs of the model params over a {data, fsdp, tensor} mesh.
+
+Layout in docs/design.md section 9.
 
 The rules follow tunix's `ShardingConfig` for Qwen3 and MaxText's logical axis rules, in this
 code base's [in, out] kernel layout:
@@ -32,11 +34,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 
-# The mesh axes a batch is split over (the trainer's `jfp8rl.mesh.BATCH_AXES`).
+# The mesh axes a batch is split over (the trainer's `jfp8rl.parallel.mesh.BATCH_AXES`).
 BATCH_AXES = ("data", "fsdp")
 
 # Logical roles of each param's dims, by the param's path suffix (layer params without L).
@@ -124,7 +128,7 @@ def param_partition_specs(
 
 def param_shardings(cfg: ModelConfig, params: Any, mesh: Mesh, **axes: str) -> Any:
     """`param_partition_specs` as `NamedSharding`s on `mesh` (for `jax.jit` in/out shardings,
-    `jax.device_put`, or `hf_io.from_hf_state_dict(shardings=...)`)."""
+    `jax.device_put`, or `hf_state.from_hf_state_dict(shardings=...)`)."""
     specs = param_partition_specs(cfg, params, mesh.shape, **axes)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
@@ -134,8 +138,8 @@ def constrain_batch(x: jax.Array) -> jax.Array:
 
     Applied to the residual stream [B, T, D] after the embedding and after every layer: without
     it XLA's sharding propagation may resolve an FSDP matmul by all-gathering the activations
-    instead of the weights (measured by `jfp8rl.plan` on qwen3_8b, fsdp=8, 8 x 16K tokens:
-    update temporaries 46 GiB without, 11.8 GiB with). A no-op without a mesh context
+    instead of the weights, which multiplies the update's temporaries (`python -m jfp8rl.plan`
+    reports them, e.g. for qwen3_8b with fsdp=8). A no-op without a mesh context
     (`jax.set_mesh`), as in the rollout engine and single-device tests, when no batch axis has
     size > 1, or when B does not divide over them.
     """
@@ -155,13 +159,8 @@ def host_array(x: Any) -> Any:
     sharded array has shards this process cannot address: every process must call this for
     the same array (it is a collective: `multihost_utils.process_allgather`), and each gets the
     full value."""
-    import numpy as np
-
     if getattr(x, "is_fully_addressable", True) or x.is_fully_replicated:
         # np.asarray, not jax.device_get: on CPU the former is a view of the buffer, the latter
-        # cost 1.5 ms more per 768 x 3072 bf16 tensor (jax 0.11.2; the 100M model's bf16
-        # weight fetch 0.26 -> 0.15 s).
+        # a copy.
         return np.asarray(x)
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))

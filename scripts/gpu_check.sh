@@ -68,7 +68,7 @@ MOSAIC_GPU_DUMP_TO="$DUMP" MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_
 import os
 import jax, jax.numpy as jnp
 from models import fp8
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
 n = int(os.environ["SASS_N"])
 x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
 qa, sa = fp8.quantize(x, "e4m3", (1, 128))

@@ -1,6 +1,6 @@
 """Writes tests/models/golden/<preset>.npz: transformers' f32 logits for the tiny presets.
 
-Weights come from `models.hf_io.random_hf_state_dict(cfg, seed)` (numpy RandomState, stable
+Weights come from `models.hf_state.random_hf_state_dict(cfg, seed)` (numpy RandomState, stable
 across versions), so a fixture stores only the seed, the input tokens/mask and the logits.
 transformers runs in the vLLM venv (tests/reference/client.py; the project venv has no torch),
 so build that first:
@@ -19,14 +19,14 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from models.config import get_config
-from models.hf_io import random_hf_state_dict
+from models.hf_state import random_hf_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "reference"))
 from client import run_reference  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "models" / "golden"
-PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
+GOLDEN_PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
 SEED = 1234
 T = 24  # longer than the tiny llama's original_max_position_embeddings (16): exercises scaling
 
@@ -49,7 +49,7 @@ def write_hf_folder(folder: Path, cfg_dict: dict, tensors: dict[str, np.ndarray]
 
 def main() -> None:
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
-    for name in PRESETS:
+    for name in GOLDEN_PRESETS:
         cfg = get_config(name)
         tensors = random_hf_state_dict(cfg, SEED)
         tokens, mask = golden_inputs(cfg.vocab_size)

@@ -5,7 +5,7 @@
 The folder (config.json, generation_config.json, model.safetensors, tokenizer files) loads with
 `models.hf_io.load_hf` and as `model.path` of a run, so a paper-sized model's host memory can
 be measured without downloading weights (benchmarks/host_memory.py). Weights are
-`models.hf_io.random_hf_state_dict` (N(0, 0.02), norms 1 + N(0, 0.1), numpy's frozen legacy
+`models.hf_state.random_hf_state_dict` (N(0, 0.02), norms 1 + N(0, 0.1), numpy's frozen legacy
 stream: the same seed gives the same file); eos is the byte tokenizer's <|endoftext|> (256).
 
 Host memory: one tensor's float64 draw at a time plus the float32 tensors written so far
@@ -18,8 +18,10 @@ import argparse
 import json
 from pathlib import Path
 
+from safetensors.numpy import save_file
+
 from models.config import get_config
-from models.hf_io import random_hf_state_dict
+from models.hf_state import random_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, eos_token_id, save_tokenizer
 
 
@@ -27,8 +29,6 @@ def make_random_hf(preset: str, out: str | Path, seed: int = 0, layers: int = 0)
     """The folder `out` holding preset `preset` with random weights (rewritten if present);
     `layers` > 0 keeps only that many decoder layers (same widths: a cheaper stand-in to
     profile, e.g. qwen3_0.6b with 4 of its 28 layers)."""
-    from safetensors.numpy import save_file
-
     tok = build_byte_tokenizer()
     cfg = get_config(preset).replace(eos_token_id=eos_token_id(tok), bos_token_id=None)
     if layers > 0:

@@ -34,9 +34,11 @@ LAYERS = (
 )
 
 # Optional dependencies a module imports only where it needs them: plots, Parquet files, chat
-# templates, the math verifier, TensorBoard, and on the vLLM side of the weight bridge, which
-# runs without jax.
-LAZY_OK = {"matplotlib", "pyarrow", "jinja2", "math_verify", "tensorboardX", "torch", "vllm"}
+# templates, the math verifier, TensorBoard; and the weight bridge, whose two sides run in
+# different venvs (the trainer's has ml_dtypes and no torch, vLLM's torch and no jax).
+LAZY_OK = {
+    "matplotlib", "pyarrow", "jinja2", "math_verify", "tensorboardX", "torch", "vllm", "ml_dtypes",
+}  # fmt: skip
 # (module, imported module) pairs allowed inside a function, each for a reason given there.
 LAZY_PROJECT_OK = {
     ("jfp8rl.plan", "jfp8rl.analysis.memory_plan"),  # after --devices sets XLA_FLAGS

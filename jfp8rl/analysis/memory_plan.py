@@ -30,9 +30,9 @@ from jfp8rl.config import Config
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.settings import build_mesh, step_settings
 from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
-from jfp8rl.trainer.warmstart import model_config
 from losses import calibrated as cal
 from models import functional as mf
+from models.config import PRESETS
 
 GIB = 2**30
 
@@ -78,7 +78,7 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
     """Compiles the step's programs for `cfg` abstractly; returns (and logs) the numbers.
     `num_layers` overrides the preset's depth (to show compile time does not grow with it)."""
     m = cfg.model
-    mcfg = model_config(m.preset).replace(
+    mcfg = PRESETS[m.preset].replace(
         compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat, attention=m.attention
     )
     if num_layers:

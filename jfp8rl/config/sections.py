@@ -16,7 +16,9 @@ from typing import Any
 from jfp8rl.config.checks import ConfigError, check_choice, check_positive
 from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.data.templates import check_prompt_template
+from losses.calibrated import BALANCES, MODES, UPPER_RULES
 from losses.registry import ALGORITHMS
+from models.config import PRESETS
 from models.fp8 import RECIPES
 from rollout_bridge.weights.hashing import HASHES
 
@@ -40,6 +42,7 @@ class PolicyConfig:
     attention: str = "auto"
 
     def __post_init__(self) -> None:
+        check_choice("model", "preset", self.preset, PRESETS)
         check_choice("model", "compute_dtype", self.compute_dtype, ("bfloat16", "float32"))
         check_choice("model", "remat", self.remat, ("none", "full", "save_dots"))
         check_choice(
@@ -270,7 +273,7 @@ class CalibrationConfig:
     # 1 + eps_high, calibrate L only: the paper's Fig. 5 lower-only ablation).
     upper_rule: str = "balance"
     # Target of the balance rule: "absolute" (BF16 balance) or "relative" (BF16 share of kept
-    # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated.py).
+    # P over kept N mass, independent of the mini-batch's advantage mix; losses/calibrated/solve.py).
     balance: str = "absolute"
 
     def __post_init__(self) -> None:
@@ -282,9 +285,9 @@ class CalibrationConfig:
                 f"calibration.range_lo={self.range_lo}, range_hi={self.range_hi}: "
                 "need 0 < range_lo <= 1 <= range_hi"
             )
-        check_choice("calibration", "mode", self.mode, ("track", "hold"))
-        check_choice("calibration", "upper_rule", self.upper_rule, ("balance", "quantile", "plain"))
-        check_choice("calibration", "balance", self.balance, ("absolute", "relative"))
+        check_choice("calibration", "mode", self.mode, MODES)
+        check_choice("calibration", "upper_rule", self.upper_rule, UPPER_RULES)
+        check_choice("calibration", "balance", self.balance, BALANCES)
 
 
 @dataclasses.dataclass

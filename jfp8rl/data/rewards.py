@@ -33,7 +33,7 @@ def task_verifier(response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-# The scratchpad task's format (jfp8rl/data.py): column steps `a+b+c=ss;`, then `#` and the sum.
+# The scratchpad task's format (jfp8rl/data/tasks.py): column steps `a+b+c=ss;`, then `#` and the sum.
 SCRATCHPAD_RE = re.compile(r"(?:\d\+\d\+[01]=\d\d;)+#(\d+)")
 
 

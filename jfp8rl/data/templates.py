@@ -26,7 +26,7 @@ globals `raise_exception` and `strftime_now`, and the variables `messages`, `too
 as strings, when set), then the chat template kwargs (which override them). The rendered text
 is tokenized with `add_special_tokens=False`, as transformers does, so the ids equal
 `apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)`
-(tests/jfp8rl/test_templates.py checks this against transformers).
+(tests/jfp8rl/trainer/test_chat_runs.py checks this against transformers).
 
 Stop tokens (`stop_token_ids`): the tokenizer's eos (`eos_token` of tokenizer_config.json) and
 every `eos_token_id` of `generation_config.json` (Qwen3 instruct: `<|im_end|>` and

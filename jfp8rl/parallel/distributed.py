@@ -4,7 +4,7 @@
 `--coordinator host:port --num-processes N --process-id i`, or from the environment where JAX
 detects a cluster by itself (SLURM `srun`, Open MPI `mpirun`). It must run before any JAX
 computation. After it `jax.devices()` lists every process's devices and the mesh
-(`jfp8rl.mesh.make_mesh`) spans them all.
+(`jfp8rl.parallel.mesh.make_mesh`) spans them all.
 
 Roles: process 0 ("main") alone talks to the rollout backend, writes the config, metrics, logs,
 rollout dumps and the HF export; every process runs the same jitted programs on its own devices,

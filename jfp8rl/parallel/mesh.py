@@ -12,7 +12,7 @@ Three named axes, `("data", "fsdp", "tensor")`, sized by `train.mesh`:
 
 The default `train.mesh` is 1 x 1 x 1, so a single-CPU run and an 8-device run
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`) run the same jitted code. With several
-trainer processes (`jfp8rl.distributed`) the mesh spans all their devices, process-major.
+trainer processes (`jfp8rl.parallel.distributed`) the mesh spans all their devices, process-major.
 
 `Layout` bundles the mesh with the param specs as a hashable value (flattened specs + treedef),
 so `step.make_step_fns` can cache compiled programs per layout.
@@ -83,7 +83,7 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Any = None
 
 
 def multi_process_grid(shape: tuple[int, int, int], devices: list[Any]) -> np.ndarray:
-    """The device grid of a mesh over several processes (`jfp8rl.distributed`): every device
+    """The device grid of a mesh over several processes (`jfp8rl.parallel.distributed`): every device
     of every process, process-major, so the outer axes span the hosts and `tensor` (then
     `fsdp`) stays inside one host's fast links; e.g. 2 hosts x 8 GPUs as data=2 x fsdp=8 keeps
     FSDP's all-gathers on NVLink and only the gradient all-reduce crosses hosts."""
@@ -176,7 +176,7 @@ def replicated_layout(mesh: Mesh, params: Any) -> Layout:
 def put_batch(batch: dict[str, Any], mesh: Mesh) -> dict[str, jax.Array]:
     """Host arrays (the global batch, the same on every process) -> device arrays sharded
     along the sample axis. Each process copies only the blocks of its own devices (with
-    several processes, `jfp8rl.distributed`, the mesh spans devices it cannot address)."""
+    several processes, `jfp8rl.parallel.distributed`, the mesh spans devices it cannot address)."""
     sh = batch_sharded(mesh)
 
     def put(x: Any) -> jax.Array:

@@ -11,7 +11,7 @@ Saves are synchronous and atomic (orbax writes a temporary folder and renames it
 complete), so a crash or a dying rollout server never leaves a half-written latest checkpoint:
 `latest_step()` only sees finished ones. The newest `keep` are kept.
 
-Several trainer processes (`jfp8rl.distributed`, docs/cluster.md): every process calls `save`
+Several trainer processes (`jfp8rl.parallel.distributed`, docs/cluster.md): every process calls `save`
 and `restore` with the same step and its own shards of the global state; `run_dir` must be on a
 filesystem they all see. Orbax's manager is multi-process aware: each process writes the
 shards it owns (replica 0 of each), the primary host (process 0) alone writes the meta JSON

@@ -40,7 +40,7 @@ class Trainer:
     verifier: Verifier
     stream: PromptStream
     eval_set: list[Example]
-    fmt: PromptFormat  # prompt / chat template and stop tokens (jfp8rl.templates)
+    fmt: PromptFormat  # prompt / chat template and stop tokens (jfp8rl.data.templates)
     rollout_settings: RolloutSettings
     ref_params: Any  # the base policy (KL loss) or None
 

@@ -43,46 +43,7 @@ from models import functional as mf
 from models.config import PRESETS, ModelConfig
 from models.fp8 import Recipe, get_recipe
 from models.hf_io import save_hf
-from models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer, eos_token_id, save_tokenizer
-
-# The built-in task's policy: 2 Qwen3 layers, d = 128 (one 128-wide FP8 block per row, so the
-# block recipe quantizes real 1 x 128 tiles and 128 x 128 weight blocks), the byte vocabulary.
-TINY_ARITH = ModelConfig(
-    arch="qwen3",
-    vocab_size=BYTE_VOCAB_SIZE,
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    qk_norm=True,
-    max_position_embeddings=64,
-    eos_token_id=256,
-    compute_dtype=jnp.float32,
-)
-
-# The FP8 study's larger policy (docs/fp8_study.md, configs/study_scratchpad_25m.yaml): the same family
-# at d = 512 (four 128-wide FP8 blocks per row), 6 layers: 23.7M parameters.
-STUDY_25M = dataclasses.replace(
-    TINY_ARITH, hidden_size=512, intermediate_size=2048, num_layers=6, num_heads=8,
-    num_kv_heads=4, head_dim=64,
-)  # fmt: skip
-LOCAL_PRESETS = {"tiny_arith": TINY_ARITH, "study_25m": STUDY_25M}
-
-
-def model_config(preset: str) -> ModelConfig:
-    """`tiny_arith`, `study_25m` (above) or any `models.config.PRESETS` entry."""
-    if preset in LOCAL_PRESETS:
-        return LOCAL_PRESETS[preset]
-    if preset not in PRESETS:
-        raise ValueError(
-            f"model.preset={preset!r} unknown; use one of {sorted(LOCAL_PRESETS)} or {sorted(PRESETS)}"
-        )
-    return PRESETS[preset]
+from models.tokenizer import build_byte_tokenizer, eos_token_id, save_tokenizer
 
 
 def carryless_sum(a: int, b: int) -> int:
@@ -264,7 +225,7 @@ def ensure_base_policy(
     log: Any = print,
 ) -> Path:
     """The HF folder of the warm-started base policy: cached, or trained now and cached."""
-    cfg = model_config(preset)
+    cfg = PRESETS[preset]
     settings = {
         "preset": preset,
         "model": dataclasses.asdict(cfg),

@@ -1,6 +1,6 @@
 """`ServerPool`: several vLLM-compatible rollout servers behind one `RolloutBackend`.
 
-The trainer sees one backend (`rollout.urls` in the config; `jfp8rl.loop.make_backend`).
+The trainer sees one backend (`rollout.urls` in the config; `jfp8rl.trainer.backends.make_backend`).
 
 generate / score: the prompts (a prompt's n samples never leave its server, so a GRPO group is
 sampled on one server with one weight version) are cut into contiguous chunks, about
@@ -21,7 +21,7 @@ client's retries, a malformed answer, a weight version other than the one pushed
 exception of its call counts too, so a chunk is never left in flight) is dropped with a
 warning naming its URL; its chunk goes back to the queue for the others, and the run goes on.
 When no server is left, `RolloutError` lists every server's failure (the trainer then stops
-with its checkpoint and the resume command, `jfp8rl.loop`).
+with its checkpoint and the resume command, `jfp8rl.trainer.loop`).
 """
 
 from __future__ import annotations

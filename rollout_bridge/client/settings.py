@@ -11,7 +11,7 @@ from rollout_bridge.weights.hashing import HASHES
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientSettings:
-    """The settings `HttpBackend` and `ServerPool` share (`jfp8rl.loop.make_backend` builds
+    """The settings `HttpBackend` and `ServerPool` share (`jfp8rl.trainer.backends.make_backend` builds
     them from `rollout.*`)."""
 
     # Bearer token sent on every request (vLLM `--api-key`); None: no Authorization header.

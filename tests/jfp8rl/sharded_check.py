@@ -1,4 +1,4 @@
-"""Run by tests/jfp8rl/test_sharded.py in a subprocess with 8 forced host devices: the step on
+"""Run by tests/jfp8rl/parallel/test_sharded.py in a subprocess with 8 forced host devices: the step on
 sharded meshes against the same step on one device. Prints one JSON line of measured maximum
 relative differences (and layout facts) per mesh.
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _loss_testlib import np_policy_loss, random_inputs
 from absl.testing import parameterized
 
 from losses.masked import agg_denominator
@@ -38,45 +39,6 @@ def hand_inputs():
     old = np.full(RATIOS.shape, -1.0, np.float32)
     logp = (old + np.log(RATIOS)).astype(np.float32)
     return jnp.asarray(logp), jnp.asarray(old), jnp.asarray(ADV), jnp.asarray(MASK)
-
-
-def np_policy_loss(logp, old, adv, mask, lo, hi, agg, level="token", dual=None, w=None, norm=None):
-    """Independent float64 reference of the verl surrogate."""
-    logp, old, adv, mask = (np.asarray(x, np.float64) for x in (logp, old, adv, mask))
-    if level == "token":
-        ratio = np.exp(np.clip(logp - old, -20, 20))
-    else:
-        n = np.maximum(mask.sum(-1), 1)
-        s = np.exp(np.minimum(((logp - old) * mask).sum(-1) / n, 10.0))
-        ratio = np.repeat(s[:, None], logp.shape[1], 1)
-    per = np.maximum(-adv * ratio, -adv * np.clip(ratio, lo, hi))
-    if dual is not None:
-        per = np.where(adv < 0, np.minimum(per, -adv * dual), per)
-    if w is not None:
-        per = per * w
-    per = per * mask
-    n_b = mask.sum(-1)
-    valid = n_b > 0
-    if agg == "token-mean":
-        return per.sum() / mask.sum()
-    if agg == "seq-mean-token-mean":
-        seq = per.sum(-1)[valid] / n_b[valid]
-    elif agg == "seq-mean-token-sum":
-        seq = per.sum(-1)[valid]
-    else:
-        seq = per.sum(-1)[valid] / (norm or mask.shape[1])
-    return seq.mean()
-
-
-def random_inputs(seed, b=6, t=9):
-    rng = np.random.default_rng(seed)
-    old = rng.normal(-1.5, 0.5, (b, t)).astype(np.float32)
-    logp = (old + rng.normal(0, 0.35, (b, t))).astype(np.float32)
-    adv = np.repeat(rng.normal(size=(b, 1)), t, 1).astype(np.float32)
-    mask = (rng.random((b, t)) < 0.75).astype(np.float32)
-    mask[0] = 0.0  # a fully masked sequence is excluded from sequence means
-    w = rng.uniform(0.3, 2.0, (b, t)).astype(np.float32)
-    return logp, old, adv, mask, w
 
 
 class HandComputedTest(chex.TestCase, parameterized.TestCase):

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
-from pathlib import Path
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _loss_testlib import np_policy_loss, random_inputs
 
+from losses import calibrated as C
+from losses.policy import importance_ratio
 from losses.registry import ALGORITHMS, compute_loss, get_algorithm
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_policy import np_policy_loss, random_inputs  # noqa: E402
 
 
 class RegistryTest(chex.TestCase):
@@ -80,11 +79,6 @@ class RegistryTest(chex.TestCase):
 
 def test_calibrated_switch_inside_one_jitted_step():
     """The trainer's pattern: bounds from current_bounds, then compute_loss, one jit, one grad."""
-    import jax
-
-    from losses import calibrated as C
-    from losses.policy import importance_ratio
-
     logp, old, adv, mask, w = random_inputs(8, b=8, t=16)
     algo = get_algorithm("dapo")
     # track mode: current_bounds re-solves the bounds inside the jitted step (n_updates 1).

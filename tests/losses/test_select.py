@@ -26,8 +26,8 @@ def brute_min(v, w, target, lo, hi):
 
 
 # 32 values inside one first-pass bucket of [1, 1.8] (2^11 ulps) with weights of mixed size:
-# the bucket's total reaches the target in pass 1's summation order but fell short of it in
-# pass 2's (one ulp of float32 apart), so the search used to report "not found" (x = hi).
+# the bucket's total reaches the target in pass 1's summation order but falls short of it in
+# pass 2's (one ulp of float32 apart); the search must still find x, not report hi.
 # In exact arithmetic the sum of ALL the weights reaches the target (by 1.1e-4) and no
 # smaller set does, so the answer is one ulp above the largest value.
 ROUNDING_V = [

@@ -1,9 +1,9 @@
-"""The Hopper FP8 kernel (`Recipe(backend="pallas")`, models/fp8_kernels) against references.
+"""The Hopper FP8 kernels (`Recipe(backend="pallas")`, models/fp8/kernels) against references.
 
 Off a GPU the kernels run in Mosaic GPU's interpreter, so these tests check the kernel's math
 and indexing everywhere (not its swizzles, register layouts or speed: scripts/gpu_check.sh runs
-them on an H200). References: float64 numpy for the raw GEMM; the emulate backend (itself
-exact vs numpy, tests/models/test_fp8.py) for the forward, dgrad and wgrad, which must agree
+them on a Hopper GPU). References: float64 numpy for the raw GEMM; the emulate backend (itself
+exact vs numpy, tests/models/test_fp8_matmul.py) for the forward, dgrad and wgrad, which must agree
 within f32 rounding: relative Frobenius error <= 1e-5. Shapes stay small (the interpreter
 simulates every warpgroup of every CTA in Python) and include partial tiles and K = 128.
 """
@@ -23,7 +23,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 from models import fp8
 from models import functional as F
 from models.config import get_config
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
 
 LINEAR_DN = (((1,), (0,)), ((), ()))
 F32_REL = 1e-5
@@ -95,11 +95,11 @@ def test_gemm_has_no_races_and_reads_in_bounds():
     out-of-bounds read and fills scratch memory with NaN, which would reach the output if a
     tile were left unwritten.
 
-    The ring is as deep as the K loop (3 steps), so no slot is refilled: on jax 0.11.2 the
-    detector reports a race on every refilled slot of `emit_pipeline_warp_specialized` even
-    for a body that only `plgpu.load`s the block (measured on jax's own pipeline, no wgmma):
-    the slot release goes through the consumed barrier, whose ordering the detector does not
-    carry over to the TMA thread. wgmma's own reads are not race-checked by the interpreter."""
+    The ring is as deep as the K loop (3 steps), so no slot is refilled: the detector (jax
+    0.11.2) reports a race on every refilled slot of `emit_pipeline_warp_specialized`, even
+    for a body that only `plgpu.load`s the block (jax's own pipeline, no wgmma): the slot
+    release goes through the consumed barrier, whose ordering the detector does not carry over
+    to the TMA thread. wgmma's own reads are not race-checked by the interpreter."""
     rng = _rng(3)
     a = jnp.asarray(rng.standard_normal((128, 384)), jnp.float8_e4m3fn)
     b = jnp.asarray(rng.standard_normal((64, 384)), jnp.float8_e4m3fn)
@@ -181,14 +181,6 @@ def test_pallas_batched_dot_general_equals_emulate():
         assert _rel(o, r) <= 1e-3, (name, _rel(o, r))
 
 
-@pytest.mark.parametrize("name", ["fp8_tensor", "fp8_row"])
-def test_pallas_refuses_non_block_recipes(name):
-    with pytest.raises(ValueError, match=rf"{name}.*backend='emulate'"):
-        fp8.get_recipe(name, backend="pallas")
-    with pytest.raises(ValueError, match="block_size 128"):
-        fp8.get_recipe("fp8_block", backend="pallas", block_size=64)
-
-
 @functools.partial(jax.jit, static_argnums=0, static_argnames="recipe")
 def _model_loss_and_grad(graphdef, params, tokens, mask, *, recipe):
     def loss(p):
@@ -200,7 +192,7 @@ def _model_loss_and_grad(graphdef, params, tokens, mask, *, recipe):
 def test_pallas_model_grad_equals_emulate():
     """jax.grad through a one-layer tiny Qwen3 (f32 compute; all 7 projections' fprop, dgrad
     and wgrad on the kernel). One layer, 16 tokens: the interpreter's time grows with both.
-    Measured relative error of the whole gradient 2.3e-7. Deeper models can exceed 1e-5: an
+    The test prints the whole gradient's relative error. Deeper models can exceed 1e-5: an
     f32-rounding difference in one GEMM may flip a downstream FP8 rounding (one E4M3 ulp is
     6-12% of that element); the per-GEMM tests above hold the 1e-5 bound regardless."""
     cfg = get_config("tiny_qwen3", compute_dtype=jnp.float32, num_layers=1)
@@ -223,7 +215,7 @@ def test_pallas_model_grad_equals_emulate():
 def test_kernels_lower_to_mosaic_gpu_for_cuda(monkeypatch):
     """Cross-lowering for CUDA on this CPU (no GPU needed): runs Mosaic GPU's own lowering of
     fprop, dgrad and wgrad (layout inference, the FP8 wgmma operand checks: a transposed
-    8-bit operand is refused here, measured) into `mosaic_gpu` custom calls. What only a GPU
+    8-bit operand is refused here) into `mosaic_gpu` custom calls. What only a GPU
     checks (shared-memory capacity, PTX/SASS, speed) is in scripts/gpu_check.sh."""
     monkeypatch.setattr(gemm, "use_interpreter", lambda: False)
     recipe = fp8.get_recipe("fp8_block", backend="pallas", bwd_format="e5m2")

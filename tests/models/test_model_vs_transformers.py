@@ -18,13 +18,9 @@ from _model_testlib import TINY, forward, left_padded_batch, tiny
 from models import fp8
 from models import functional as F
 from models.config import get_config
-from models.hf_io import (
-    from_hf_state_dict,
-    load_hf,
-    random_hf_state_dict,
-    read_safetensors,
-    save_hf,
-)
+from models.hf_io import load_hf, read_safetensors, save_hf
+from models.hf_state import from_hf_state_dict, random_hf_state_dict
+from models.tokenizer import build_byte_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
 TOL = 1e-4
@@ -77,8 +73,6 @@ def test_live_transformers_random_init_loads_into_ours(name, tmp_path, transform
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", TINY)
 def test_saved_folder_loads_in_transformers_with_same_logits(name, tmp_path, transformers_ref):
-    from models.tokenizer import build_byte_tokenizer
-
     cfg, graphdef, params = tiny(name)
     save_hf(tmp_path, cfg, params, tokenizer=build_byte_tokenizer())
     tokens, mask = left_padded_batch(cfg.vocab_size, 12, (0, 3))

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tiny_run import TINY
 
-from jfp8rl.trainer.warmstart import TINY_ARITH
 from models import functional as mf
+from models.config import PRESETS
 
 REPO = Path(__file__).resolve().parents[3]
 LINE = re.compile(
@@ -45,7 +45,9 @@ def test_plan_prints_the_final_line_with_consistent_numbers() -> None:
     assert (preset, data, fsdp, tensor, micro, tokens) == ("tiny_arith", "1", "2", "2", "32", "14")
     # The detailed state line against an independent count: f32 params + Adam mu, nu = 12 B
     # per param, at most one full copy and at least 1 / 4 of one per device.
-    n_params = sum(int(np.prod(x.shape)) for x in _leaves(mf.abstract_model(TINY_ARITH)[1]))
+    n_params = sum(
+        int(np.prod(x.shape)) for x in _leaves(mf.abstract_model(PRESETS["tiny_arith"])[1])
+    )
     st = next(line for line in lines if line.startswith("state per device:"))
     total = _mib(re.search(r"total ([\d.]+ [MG]iB)", st).group(1))
     assert 12 * n_params / 4 <= total * 2**20 * 1.0001 and total * 2**20 <= 12 * n_params * 1.0001

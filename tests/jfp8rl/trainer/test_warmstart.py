@@ -26,15 +26,15 @@ def test_warm_start_stops_at_the_first_check_reaching_the_target() -> None:
     from jfp8rl.trainer.warmstart import (
         _check_split,
         greedy_correct,
-        model_config,
         supervised_arrays,
         warm_start,
     )
+    from models.config import PRESETS
     from models.fp8 import get_recipe
     from models.tokenizer import build_byte_tokenizer, eos_token_id
 
     train, evals = build_datasets("arithmetic", "", "", 1, 16)
-    cfg = model_config("tiny_arith")
+    cfg = PRESETS["tiny_arith"]
     kw = dict(batch_size=32, lr=3e-3, seed=0, prompt_len=8, answer_len=6, log=None)
     tok = build_byte_tokenizer()
     check = [

@@ -1,6 +1,6 @@
 """`ServerPool` settings against stand-in servers: every server gets the pool's settings and
 its one export root; a push is exported once and installed on each server. Balancing, failures
-and the trainer's use run against real servers in tests/jfp8rl/test_multi_server.py."""
+and the trainer's use run against real servers in tests/jfp8rl/trainer/test_multi_server.py."""
 
 from __future__ import annotations
 

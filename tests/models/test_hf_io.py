@@ -1,4 +1,5 @@
-"""HF folder I/O: bit-exact round trips, shards, bf16 files, and errors that name the tensor."""
+"""HF folders (models.hf_io): bit-exact round trips, shards, bf16 files, errors that name the
+tensor and the file, and params that stay donatable after a load or an export."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ import pytest
 from _model_testlib import TINY, tiny
 from safetensors.numpy import save_file
 
-from models.hf_io import (
-    from_hf_state_dict,
-    hf_name_map,
-    iter_hf_state,
-    load_hf,
-    read_safetensors,
-    save_hf,
-    to_hf_state_dict,
-)
+from models.hf_io import load_hf, read_safetensors, save_hf
+from models.hf_state import iter_hf_state, to_hf_state_dict
 from models.tokenizer import build_byte_tokenizer, load_tokenizer
 
 
@@ -48,25 +42,6 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path):
         ]
     ]
     assert load_tokenizer(tmp_path).encode("7*6=42").ids == list(b"7*6=42")
-
-
-def test_name_map_layout_and_tied_head():
-    cfg, _, params = tiny("tiny_llama")
-    sd = to_hf_state_dict(cfg, params)
-    assert [row.name for row in hf_name_map(cfg)] == list(sd)
-    # HF layout [out, in]: q_proj maps hidden -> heads * head_dim.
-    assert sd["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 16, 64)
-    assert sd["model.layers.1.mlp.down_proj.weight"].shape == (64, 128)
-    assert sd["lm_head.weight"].shape == (512, 64)
-    np.testing.assert_array_equal(
-        sd["model.layers.0.mlp.up_proj.weight"],
-        np.asarray(params["model"]["layers"]["mlp"]["up_proj"]["kernel"][...][0]).T,
-    )
-    tied_cfg, _, tied = tiny("tiny_qwen2")
-    tied_sd = to_hf_state_dict(tied_cfg, tied)
-    assert "lm_head.weight" not in tied_sd
-    assert "model.layers.0.self_attn.q_proj.bias" in tied_sd
-    assert "model.layers.0.self_attn.q_norm.weight" in to_hf_state_dict(*tiny("tiny_qwen3")[::2])
 
 
 def test_sharded_save_loads_back(tmp_path):
@@ -106,20 +81,6 @@ def test_wrong_shape_names_tensor_shapes_and_file(tmp_path):
     assert "model.layers.1.mlp.gate_proj.weight" in msg
     assert "(128, 32)" in msg and "(128, 64)" in msg
     assert "model.safetensors" in msg
-
-
-def test_missing_and_unexpected_tensors_are_named():
-    cfg, _, params = tiny("tiny_qwen3")
-    sd = to_hf_state_dict(cfg, params)
-    missing = dict(sd)
-    del missing["model.layers.0.self_attn.k_norm.weight"]
-    with pytest.raises(ValueError, match=r"k_norm.weight' is missing \(expected shape \(32,\)"):
-        from_hf_state_dict(cfg, missing, source="x.safetensors")
-    extra = {**sd, "model.layers.2.mlp.up_proj.weight": np.zeros((128, 64), np.float32)}
-    with pytest.raises(ValueError, match="unexpected tensor.*layers.2.mlp.up_proj"):
-        from_hf_state_dict(cfg, extra)
-    # A tied checkpoint may carry an lm_head copy (transformers does); it is ignored.
-    from_hf_state_dict(cfg, {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]})
 
 
 def test_missing_folder_files_are_reported(tmp_path):

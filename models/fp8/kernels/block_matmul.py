@@ -1,7 +1,7 @@
 """The three GEMMs of the block recipe's FP8 matmul on the Hopper kernel (`backend="pallas"`).
 
-Same math as `models.fp8`'s emulate backend, operand for operand (`fp8.quantize` with
-`fp8.operand_tile`, so both backends quantize to the same FP8 values and scales); only the GEMM
+Same math as the emulate backend of `models.fp8.matmul`, operand for operand (both quantize
+with `quantization.quantize_operand`, so they agree on every FP8 value and scale); only the GEMM
 differs: `gemm.scaled_matmul_nt` instead of an f32 dot of dequantized operands. With B = 128:
 
     fprop  y [M, N]  = x [M, K] . w [K, N]     x: 1 x B along K,  w: B x B blocks
@@ -25,14 +25,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from models import fp8
-from models.fp8_kernels import gemm
+from models.fp8.kernels import gemm
+from models.fp8.quantization import quantize_operand
+from models.fp8.recipe import Format, Recipe, Role
 
 
-def _quantize(x: Array, fmt: fp8.Format, contract_axis: int, role: fp8.Role, recipe: fp8.Recipe):
-    """fp8.quantize with the tiles the emulate backend uses for this operand."""
-    tile = fp8.operand_tile(2, contract_axis, "block", role, recipe.block_size)
-    return fp8.quantize(x, fmt, tile, pow2=recipe.pow2_scales)
+def _quantize(x: Array, fmt: Format, contract_axis: int, role: Role, recipe: Recipe):
+    """A 2-D operand quantized with the block recipe's tiles for its role."""
+    return quantize_operand(x, fmt, contract_axis, "block", role, recipe)
 
 
 def _rows_of_blocks(scale: Array, rows: int, block: int) -> Array:
@@ -55,7 +55,7 @@ def _over_batch(fn: Callable[..., Array], *xs: Array) -> Array:
     return out.reshape(*batch, *out.shape[-2:])
 
 
-def _fprop2d(x: Array, w: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Array:
+def _fprop2d(x: Array, w: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     qx, sx = _quantize(x, recipe.fwd_format, -1, "act", recipe)  # sx [M, Kb]
     qw, sw = _quantize(w, recipe.fwd_format, -2, "weight", recipe)  # qw [K, N], sw [Kb, Nb]
     n = w.shape[1]
@@ -64,7 +64,7 @@ def _fprop2d(x: Array, w: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Ar
     return y.astype(out_dtype)
 
 
-def _dgrad2d(g: Array, w: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Array:
+def _dgrad2d(g: Array, w: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     qg, sg = _quantize(g, recipe.bwd_format, -1, "grad", recipe)  # sg [M, Nb]
     qw, sw = _quantize(w, recipe.fwd_format, -1, "weight", recipe)  # qw [K, N], sw [Kb, Nb]
     sb = _rows_of_blocks(sw, w.shape[0], recipe.block_size)
@@ -72,7 +72,7 @@ def _dgrad2d(g: Array, w: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Ar
     return dx.astype(out_dtype)
 
 
-def _wgrad2d(x: Array, g: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Array:
+def _wgrad2d(x: Array, g: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     qx, sx = _quantize(x, recipe.fwd_format, -2, "act", recipe)  # sx [Mb, K]
     qg, sg = _quantize(g, recipe.bwd_format, -2, "grad", recipe)  # sg [Mb, N]
     dw = gemm.scaled_matmul_nt(qx.T, qg.T, sx.T, sg.T, _kernel_dtype(out_dtype))
@@ -80,21 +80,21 @@ def _wgrad2d(x: Array, g: Array, recipe: fp8.Recipe, out_dtype: jnp.dtype) -> Ar
 
 
 def fprop(
-    x: Float[Array, "*B M K"], w: Float[Array, "*B K N"], recipe: fp8.Recipe, out_dtype: jnp.dtype
+    x: Float[Array, "*B M K"], w: Float[Array, "*B K N"], recipe: Recipe, out_dtype: jnp.dtype
 ) -> Float[Array, "*B M N"]:
     """y = Q(x) . Q(w) (E4M3, 1x128 activation tiles, 128x128 weight blocks), f32 promotion."""
     return _over_batch(lambda a, b: _fprop2d(a, b, recipe, out_dtype), x, w)
 
 
 def dgrad(
-    g: Float[Array, "*B M N"], w: Float[Array, "*B K N"], recipe: fp8.Recipe, out_dtype: jnp.dtype
+    g: Float[Array, "*B M N"], w: Float[Array, "*B K N"], recipe: Recipe, out_dtype: jnp.dtype
 ) -> Float[Array, "*B M K"]:
     """dx = Q(g) . Q(w)^T over N; g in the recipe's backward format, 1x128 tiles along N."""
     return _over_batch(lambda a, b: _dgrad2d(a, b, recipe, out_dtype), g, w)
 
 
 def wgrad(
-    x: Float[Array, "*B M K"], g: Float[Array, "*B M N"], recipe: fp8.Recipe, out_dtype: jnp.dtype
+    x: Float[Array, "*B M K"], g: Float[Array, "*B M N"], recipe: Recipe, out_dtype: jnp.dtype
 ) -> Float[Array, "*B K N"]:
     """dw = Q(x)^T . Q(g) over the tokens M; both with 1x128 tiles along M."""
     return _over_batch(lambda a, b: _wgrad2d(a, b, recipe, out_dtype), x, g)

@@ -76,7 +76,7 @@ _SHARDED_LOAD = textwrap.dedent(
     from jax.sharding import Mesh
     from models import functional as F
     from models.config import get_config
-    from models.hf_io import from_hf_state_dict, random_hf_state_dict, to_hf_state_dict
+    from models.hf_state import from_hf_state_dict, random_hf_state_dict, to_hf_state_dict
     from models.sharding import param_shardings
 
     cfg = get_config("tiny_llama")

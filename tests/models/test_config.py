@@ -1,16 +1,20 @@
-"""ModelConfig: HF config.json round trip, preset sizes against the published counts, errors."""
+"""ModelConfig and PRESETS (models.config): HF config.json round trip, preset sizes against the
+published counts, errors."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import pytest
 
 from models.config import PRESETS, ModelConfig, get_config
+from models.tokenizer import BYTE_VOCAB_SIZE, build_byte_tokenizer, eos_token_id
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_hf_config_round_trip(name):
     cfg = PRESETS[name]
-    back = ModelConfig.from_hf_config(cfg.to_hf_config())
+    # config.json carries no compute dtype: it is a run setting, passed as an override.
+    back = ModelConfig.from_hf_config(cfg.to_hf_config(), compute_dtype=cfg.compute_dtype)
     assert back == cfg
     assert hash(back) == hash(cfg)
 
@@ -29,6 +33,16 @@ def test_hf_config_round_trip(name):
 )
 def test_real_presets_match_published_sizes(name, published):
     assert PRESETS[name].num_params() == pytest.approx(published, rel=0.01)
+
+
+def test_byte_tokenizer_presets():
+    """tiny_arith and study_25m: the byte vocabulary, its eos, 128-wide FP8 blocks per row."""
+    eos = eos_token_id(build_byte_tokenizer())
+    for name, d in (("tiny_arith", 128), ("study_25m", 512)):
+        cfg = PRESETS[name]
+        assert (cfg.vocab_size, cfg.eos_token_id, cfg.hidden_size) == (BYTE_VOCAB_SIZE, eos, d)
+        assert cfg.arch == "qwen3" and cfg.compute_dtype == jnp.float32
+    assert PRESETS["study_25m"].num_params() == pytest.approx(23.7e6, rel=0.01)
 
 
 def test_transformers5_rope_parameters_are_read():

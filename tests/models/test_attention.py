@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _jaxpr_walk import max_intermediate_size
-from _model_testlib import forward, left_padded_batch, tiny
+from _model_testlib import forward, left_padded_batch, max_intermediate_size, tiny
 
 from models import fp8
 from models import functional as F

@@ -11,8 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _jaxpr_walk import all_eqns
-from _model_testlib import left_padded_batch, tiny
+from _model_testlib import all_eqns, left_padded_batch, tiny
 from flax import nnx
 
 from models import fp8

@@ -1,0 +1,81 @@
+"""FP8 numerics (docs/design.md section 3): recipes, quantization, and the FP8 `dot_general`.
+
+- `recipe`: `Recipe`, the presets and their registry `RECIPES`, `get_recipe`.
+- `quantization`: current per-tile scaling (the scaling rules), quantize / dequantize, GEMM
+  operand tiles, FP8-stored weights.
+- `matmul`: `fp8_dot_general` with its custom VJP (fprop, dgrad, wgrad) and `make_dot_general`.
+- `kernels`: the Hopper Pallas kernels of the block recipe (`backend="pallas"`).
+
+The public names of `recipe`, `quantization` and `matmul` are re-exported here:
+`from models import fp8; fp8.quantize(...)`.
+"""
+
+from models.fp8.matmul import DimensionNumbers, fp8_dot_general, make_dot_general
+from models.fp8.quantization import (
+    StoredFP8Weight,
+    compute_scale,
+    dense_weights,
+    dequantize,
+    fake_quantize,
+    fake_quantize_operand,
+    fake_quantize_weight,
+    nonfinite_count,
+    operand_tile,
+    quantize,
+    quantize_operand,
+    quantize_weight,
+    scale_shape,
+    weight_tile,
+)
+from models.fp8.recipe import (
+    BACKENDS,
+    BF16,
+    FP8_BLOCK,
+    FP8_DTYPES,
+    FP8_MAX,
+    FP8_ROW,
+    FP8_TENSOR,
+    GRANULARITIES,
+    RECIPES,
+    Backend,
+    Format,
+    Granularity,
+    Recipe,
+    Role,
+    get_recipe,
+)
+
+__all__ = [
+    "BACKENDS",
+    "BF16",
+    "FP8_BLOCK",
+    "FP8_DTYPES",
+    "FP8_MAX",
+    "FP8_ROW",
+    "FP8_TENSOR",
+    "GRANULARITIES",
+    "RECIPES",
+    "Backend",
+    "DimensionNumbers",
+    "Format",
+    "Granularity",
+    "Recipe",
+    "Role",
+    "StoredFP8Weight",
+    "compute_scale",
+    "dense_weights",
+    "dequantize",
+    "fake_quantize",
+    "fake_quantize_operand",
+    "fake_quantize_weight",
+    "fp8_dot_general",
+    "get_recipe",
+    "make_dot_general",
+    "nonfinite_count",
+    "operand_tile",
+    "quantize",
+    "quantize_operand",
+    "quantize_weight",
+    "scale_shape",
+    "weight_tile",
+]
