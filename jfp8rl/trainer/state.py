@@ -94,7 +94,7 @@ def build_state(t: Trainer, latest: int | None) -> tuple[dict[str, Any], Progres
     del state
     state, meta = t.ckpt.restore(latest, like)
     p = Progress(
-        meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta.get("carried", {}))
+        meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta["carried"])
     )
     t.log(f"resumed from {t.ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
     return state, p
