@@ -1,7 +1,7 @@
-"""Issue 10 item 7: peak host RSS of GRPO steps on a random-weight model (target <= 16 GB for
+"""Peak host RSS of GRPO steps on a random-weight model (target <= 16 GB for
 qwen3_0.6b, 2 prompts x 4 samples x 16 tokens, 2 steps).
 
-    python benchmarks/host_memory.py                      # qwen3_0.6b, the issue's run
+    python benchmarks/host_memory.py                      # qwen3_0.6b, the target's run
     python benchmarks/host_memory.py --preset tiny_qwen3  # seconds, for development
 
 Builds the random HF folder once (scripts/make_random_hf.py, cached under --work), then runs
@@ -14,8 +14,8 @@ Builds the random HF folder once (scripts/make_random_hf.py, cached under --work
 in a fresh run folder with JFP8RL_DEBUG_MEMORY=1, so the trainer logs its RSS at every stage
 boundary (`memory: <stage> rss X GiB peak Y GiB`, jfp8rl/observe/memory.py). Prints those lines, then
 `host_memory: <preset> peak RSS X.XX GB (target 16 GB) ...` from `/usr/bin/time -v`'s maximum
-resident set size (GB = 1e9 bytes, as the issue's numbers). `--extra data.eval_size=8` cuts
-the two greedy evals (256 prompts: ~15 min each at 0.6B on a loaded 2-core box) without
+resident set size (GB = 1e9 bytes). `--extra data.eval_size=8` cuts
+the two greedy evals (256 prompts, slow at 0.6B on a CPU) without
 changing the peak: the eval generates in chunks of data.batch_size x rollout.n prompts, the
 rollout's own size. Refuses to start when the machine
 has less available memory than the target plus a margin (`--min-available-gb`): the box is

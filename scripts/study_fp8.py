@@ -54,7 +54,7 @@ for _recipe in ("fp8_tensor", "fp8_block"):
             f"rollout.recipe={_recipe}",
             *_sets,
         ]
-# E5M2 gradients (the stress list): the per-tensor arms, plain and hold.
+# E5M2 gradients (the study's stress list): the per-tensor arms, plain and hold.
 for _clip in ("plain", "hold"):
     ARMS[f"fp8_tensor_{_clip}_e5m2"] = [*ARMS[f"fp8_tensor_{_clip}"], "train.grad_format=e5m2"]
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
