@@ -32,7 +32,7 @@ from jfp8rl.trainer.backends import push_format, push_params, version
 from jfp8rl.trainer.errors import RunStopped, resume_hint
 from jfp8rl.trainer.evaluation import evaluate
 from jfp8rl.trainer.policy import save_policy_folder
-from jfp8rl.trainer.rollout import collect
+from jfp8rl.trainer.rollout import collect, share_rollout
 from jfp8rl.trainer.state import Progress, Trainer, buffer_view
 from jfp8rl.trainer.step import CALIBRATION_ONLY, UPDATE_INPUTS
 from models.hf_io import iter_hf_state
@@ -41,7 +41,7 @@ from models.sharding import host_array
 
 def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     """n samples for each of the step's B prompts, with rewards; advances the data position.
-    Process 0 collects; every process gets the batch arrays (`distributed.share_rollout`)."""
+    Process 0 collects; every process gets the batch arrays (`jfp8rl.trainer.rollout.share_rollout`)."""
     seed = t.cfg.train.seed * 1_000_003 + step * 101
 
     def collect_on_main() -> tuple[RolloutBatch, int, dict[str, float]]:
@@ -50,7 +50,7 @@ def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dic
             seed=seed, version=version(step - 1),
         )  # fmt: skip
 
-    batch, p.position, rstats = distributed.share_rollout(collect_on_main)
+    batch, p.position, rstats = share_rollout(collect_on_main)
     return batch, rstats
 
 
