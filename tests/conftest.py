@@ -22,7 +22,7 @@ import importlib.util
 import os
 import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -96,9 +96,12 @@ def vllm_venv() -> Path:
 
 
 @pytest.fixture(scope="session")
-def transformers_ref(vllm_venv: Path) -> Callable[..., tuple[dict, dict]]:
+def transformers_ref(vllm_venv: Path) -> Iterator[Callable[..., tuple[dict, dict]]]:
     """`transformers_ref(kind, arrays=..., **fields) -> (meta, arrays)`: a job of
-    tests/reference/transformers_ref.py run in the vLLM venv (see tests/reference/client.py)."""
-    from client import run_reference
+    tests/reference/transformers_ref.py run in the vLLM venv, all of the session's in one
+    worker process (see tests/reference/client.py)."""
+    from client import ReferenceWorker
 
-    return run_reference
+    worker = ReferenceWorker()
+    yield worker
+    worker.close()
