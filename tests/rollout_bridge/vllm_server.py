@@ -26,9 +26,29 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("JFP8RL_VLLM_VENV", Path.home() / ".cache" / "jfp8rl" / "vllm-venv"))
 
 
+# What the setup script leaves in a venv that is ready, checked without importing vllm (the
+# script's own check imports it and reinstalls this checkout: seconds to tens of seconds).
+READY_PROBE = """
+import importlib.metadata as md, importlib.util as u, sys
+md.version("vllm")
+assert u.find_spec("vllm") and u.find_spec("xxhash")
+assert not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec"))
+eps = md.entry_points(group="vllm.general_plugins")
+assert any(e.value == "rollout_bridge.vllm_plugin:register" for e in eps)
+spec = u.find_spec("rollout_bridge")  # the editable install of this checkout
+assert spec and spec.origin and spec.origin.startswith(sys.argv[1] + "/")
+"""
+
+
 def ensure_vllm_env() -> Path:
-    """Runs the (idempotent, cached) setup script; returns the venv folder."""
+    """The venv folder, once ready: as the setup script leaves it (probed), else after running
+    the (idempotent, cached) script."""
     venv = vllm_venv()
+    probe = [str(venv / "bin" / "python"), "-c", READY_PROBE, str(ROOT)]
+    if (venv / "bin" / "python").is_file() and subprocess.run(
+        probe, cwd="/", capture_output=True
+    ).returncode == 0:
+        return venv
     proc = subprocess.run(
         ["bash", str(SETUP_SCRIPT), str(venv)], capture_output=True, text=True, timeout=3600
     )
