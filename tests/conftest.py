@@ -1,15 +1,28 @@
-"""Fixtures shared by every test package: the real-vLLM venv and the transformers reference.
+"""Fixtures shared by every test package: the real-vLLM venv and the transformers reference,
+and the persistent JAX compilation cache of the test session.
 
-Both live in the vLLM venv (`scripts/setup_vllm_env.sh`, Python 3.11 with torch 2.13 cpu and
-transformers; the project venv has no torch). Tests that need it never skip silently: they skip
+Compiling is most of the suite's time on CPU (tiny models, many programs). The session points
+JAX's persistent cache at `~/.cache/jfp8rl/jax-test-cache/<jax version, host CPU>` (next to the
+cached vLLM venv; `JFP8RL_TEST_JAX_CACHE=<dir>` to choose another, `=off` for none), for this
+process and, through the environment, for every JAX subprocess the tests start: a rerun on the
+same machine loads the executables instead of compiling them. An executable is keyed by its
+program, compile options and jax/XLA version, so a hit runs the very program a compile would
+give; the numbers the tests compare do not change.
+
+The real-vLLM venv and the transformers reference live in the vLLM venv
+(`scripts/setup_vllm_env.sh`, Python 3.11 with torch 2.13 cpu and transformers; the project venv
+has no torch). Tests that need it never skip silently: they skip
 only when `JFP8RL_SKIP_VLLM=1` is set, and otherwise build the venv (cached) or fail loudly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
+import platform
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +30,55 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS / "rollout_bridge"))
 sys.path.insert(0, str(TESTS / "reference"))
+
+
+def _jax_test_cache() -> str:
+    """The persistent compilation cache folder (module docstring); "" when off."""
+    chosen = os.environ.get("JFP8RL_TEST_JAX_CACHE", "")
+    if chosen == "off":
+        return ""
+    if chosen:
+        return chosen
+    # XLA:CPU executables hold code for the host's instruction set: one folder per CPU model
+    # and feature set, so a cache carried to another machine type is not read (XLA's loader
+    # would refuse its entries, with an error line each).
+    cpu = platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        for field in ("model name", "flags"):
+            cpu += next((line for line in info if line.startswith(field)), "")
+    except OSError:
+        pass
+    from importlib.metadata import version
+
+    key = f"{version('jax')}-{version('jaxlib')}-{cpu}"
+    tag = f"jax{version('jax')}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return str(Path.home() / ".cache" / "jfp8rl" / "jax-test-cache" / tag)
+
+
+def _use_jax_test_cache() -> None:
+    path = _jax_test_cache()
+    if not path:
+        return
+    # Every program (the default caches only those compiling for over 1 s); bounded, with
+    # file locks for the concurrent trainer processes (eviction needs `filelock`).
+    settings = {
+        "JAX_COMPILATION_CACHE_DIR": path,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+    if importlib.util.find_spec("filelock") is not None:
+        settings["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
+    os.environ.update(settings)  # the JAX subprocesses the tests start
+    import jax
+
+    # This process: before its first compile, which fixes whether the cache is used.
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" in settings:
+        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
+
+
+_use_jax_test_cache()
 
 
 def skip_vllm() -> bool:
@@ -34,9 +96,12 @@ def vllm_venv() -> Path:
 
 
 @pytest.fixture(scope="session")
-def transformers_ref(vllm_venv: Path) -> Callable[..., tuple[dict, dict]]:
+def transformers_ref(vllm_venv: Path) -> Iterator[Callable[..., tuple[dict, dict]]]:
     """`transformers_ref(kind, arrays=..., **fields) -> (meta, arrays)`: a job of
-    tests/reference/transformers_ref.py run in the vLLM venv (see tests/reference/client.py)."""
-    from client import run_reference
+    tests/reference/transformers_ref.py run in the vLLM venv, all of the session's in one
+    worker process (see tests/reference/client.py)."""
+    from client import ReferenceWorker
 
-    return run_reference
+    worker = ReferenceWorker()
+    yield worker
+    worker.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -9,11 +10,13 @@ TINY = REPO / "configs" / "tiny_cpu.yaml"
 
 
 def small(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
-    """Overrides that shrink tiny_cpu.yaml to a few-second run (compiles aside)."""
+    """Overrides that shrink tiny_cpu.yaml to a few-second run (compiles aside). The run's
+    compilation cache is the test session's (tests/conftest.py), else one in `cache_dir`."""
+    jax_cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or cache_dir / "jax"
     return [
         f"run_dir={run_dir}",
         f"warmstart.cache_dir={cache_dir}",
-        f"train.jax_cache_dir={cache_dir / 'jax'}",
+        f"train.jax_cache_dir={jax_cache}",
         "warmstart.steps=120",
         "warmstart.target_accuracy=0",
         "data.batch_size=4",

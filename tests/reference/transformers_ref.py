@@ -6,7 +6,10 @@ here, in a subprocess started by `tests/reference/client.py`, and exchanges plai
 job in, `result.json` + `result.npz` out (numpy arrays, loaded with `allow_pickle=False`).
 This file imports only torch, transformers and numpy (never our packages: they need jax).
 
-Usage (the client does this): `<vllm-venv>/bin/python transformers_ref.py JOB.json OUT_DIR`.
+Usage (the client does this): `<vllm-venv>/bin/python transformers_ref.py JOB.json OUT_DIR`, or
+`transformers_ref.py --serve`: one process (one torch/transformers import) for many jobs, each a
+stdin line `["JOB.json", "OUT_DIR"]` (JSON), answered by a stdout line `ok` or `error <message as JSON>`. A job
+reads nothing that an earlier one left (each seeds torch itself, loads its own folder).
 
 Jobs (`kind`):
 - `logits`: `folder`, `tokens` / `mask` (.npy paths) -> `logits` [B, T, V] f32. Eager attention,
@@ -126,5 +129,27 @@ def main(job_path: str, out_dir: str) -> None:
     (out / "result.json").write_text(json.dumps(meta))
 
 
+def serve() -> None:
+    """The `--serve` loop (module docstring). Anything the jobs print goes to stderr, so that
+    stdout carries the answers only."""
+    import os
+    import traceback
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        job_path, out_dir = json.loads(line)
+        try:
+            main(job_path, out_dir)
+            answer = "ok"
+        except Exception:  # noqa: BLE001 (sent to the client, which raises it)
+            answer = "error " + json.dumps(traceback.format_exc())
+        answers.write(answer + "\n")
+        answers.flush()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(*sys.argv[1:3])

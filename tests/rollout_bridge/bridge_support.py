@@ -48,9 +48,29 @@ def vllm_venv() -> Path:
     return Path(os.environ.get("JFP8RL_VLLM_VENV", Path.home() / ".cache" / "jfp8rl" / "vllm-venv"))
 
 
+# What the setup script leaves in a venv that is ready, checked without importing vllm (the
+# script's own check imports it and reinstalls this checkout: seconds to tens of seconds).
+READY_PROBE = """
+import importlib.metadata as md, importlib.util as u, sys
+md.version("vllm")
+assert u.find_spec("vllm") and u.find_spec("xxhash")
+assert not any(u.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec"))
+eps = md.entry_points(group="vllm.general_plugins")
+assert any(e.value == "rollout_bridge.vllm_plugin:register" for e in eps)
+spec = u.find_spec("rollout_bridge")  # the editable install of this checkout
+assert spec and spec.origin and spec.origin.startswith(sys.argv[1] + "/")
+"""
+
+
 def ensure_vllm_env() -> Path:
-    """Runs the (idempotent, cached) setup script; returns the venv folder."""
+    """The venv folder, once ready: as the setup script leaves it (probed), else after running
+    the (idempotent, cached) script."""
     venv = vllm_venv()
+    probe = [str(venv / "bin" / "python"), "-c", READY_PROBE, str(ROOT)]
+    if (venv / "bin" / "python").is_file() and subprocess.run(
+        probe, cwd="/", capture_output=True
+    ).returncode == 0:
+        return venv
     proc = subprocess.run(
         ["bash", str(SETUP_SCRIPT), str(venv)], capture_output=True, text=True, timeout=3600
     )
@@ -92,6 +112,7 @@ class VllmServer:
         self.extra_args = extra_args
         self.log_path = Path(log_path or f"/tmp/jfp8rl-vllm-{self.port}.log")
         self.proc: subprocess.Popen | None = None
+        self.deadline = 0.0
 
     def command(self) -> list[str]:
         return [
@@ -116,7 +137,9 @@ class VllmServer:
             *self.extra_args,
         ]
 
-    def start(self) -> VllmServer:
+    def launch(self) -> VllmServer:
+        """Starts the process and returns at once (`wait_healthy` waits): start-up is mostly
+        one busy thread, which can run beside the tests' own work on a second core."""
         env = dict(os.environ)
         env.update(
             VLLM_SERVER_DEV_MODE="1",
@@ -137,12 +160,19 @@ class VllmServer:
             start_new_session=True,  # own process group: stop() kills the engine core too
         )
         log.close()
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        self.deadline = time.monotonic() + self.startup_timeout_s
+        return self
+
+    def wait_healthy(self) -> VllmServer:
+        """Waits for /health (startup_timeout_s from `launch`); stops it and raises with the
+        log's tail if it exits or times out first."""
+        assert self.proc is not None, "launch() first"
+        while True:  # asked at least once: a server launched long ago may be up already
             if self.proc.poll() is not None:
+                rc = self.proc.returncode
                 self.stop()
                 raise RuntimeError(
-                    f"vllm serve exited with {self.proc.returncode} during start-up; log "
+                    f"vllm serve exited with {rc} during start-up; log "
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             try:
@@ -151,12 +181,20 @@ class VllmServer:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
+            if time.monotonic() >= self.deadline:
+                break
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(
             f"vllm serve not healthy after {self.startup_timeout_s:.0f} s; log "
             f"{self.log_path}:\n{self.log_tail()}"
         )
+
+    def start(self) -> VllmServer:
+        """Launches it (unless launched already) and waits until it is healthy."""
+        if self.proc is None:
+            self.launch()
+        return self.wait_healthy()
 
     def log_tail(self, n: int = 4000) -> str:
         try:

@@ -2,7 +2,8 @@
 0.32, fp32) serving our tiny model, driven by `HttpBackend`: registration without jax, pushes,
 refused exports and rollbacks, and the client's generate / score against our model.
 
-One server start for the whole module. References are our own JAX model:
+The session's tiny vLLM (`tiny_vllm`, tests/rollout_bridge/conftest.py; one start-up, shared with
+the parity tests, which run first). References are our own JAX model:
 `models.functional.token_logprobs` on the same weights (fp32 compute, no FP8), which must agree
 with vLLM's logprobs to 1e-4 (docs/rollout.md section 5). The last test kills the server.
 """
@@ -23,20 +24,20 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bridge_support import ROOT, VllmServer, flip_tensor_bit
+from bridge_support import ROOT, flip_tensor_bit
 
 from jfp8rl.trainer.backends import push_params
 from models import fp8
 from models.config import ModelConfig, get_config
 from models.functional import forward, init_model, token_logprobs
-from models.hf_io import save_hf, to_hf_state_dict
-from models.tokenizer import build_byte_tokenizer
+from models.hf_io import to_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.export import export_weights
 
-pytestmark = pytest.mark.vllm
+# The session's tiny vLLM: these tests push weights into it and kill it, after its other users.
+pytestmark = [pytest.mark.vllm, pytest.mark.tiny_vllm_last]
 
 TOL = 1e-4  # fp32 server vs our fp32 model (docs/rollout.md section 5)
 EOS = 256
@@ -78,19 +79,18 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tiny_vllm) -> Iterator[Served]:
+    """The session's tiny vLLM (tests/rollout_bridge/conftest.py), serving `params0`."""
     cfg = tiny_cfg()
     graphdef, params0 = init_model(cfg, 0)
     _, params1 = init_model(cfg, 1)
-    model_dir = save_hf(tmp_path_factory.mktemp("tiny_hf"), cfg, params0, build_byte_tokenizer())
-    server = VllmServer(model_dir, venv=vllm_venv)
-    with server:
-        settings = ClientSettings(export_format="fp32", max_retries=2, backoff_s=0.2)
-        client = HttpBackend(server.url, settings)
-        try:
-            yield Served(server, client, cfg, graphdef, params0, params1)
-        finally:
-            client.close()
+    server = tiny_vllm.wait_healthy()
+    settings = ClientSettings(export_format="fp32", max_retries=2, backoff_s=0.2)
+    client = HttpBackend(server.url, settings)
+    try:
+        yield Served(server, client, cfg, graphdef, params0, params1)
+    finally:
+        client.close()
 
 
 def test_plugin_registers_without_jax(vllm_venv: Path) -> None:

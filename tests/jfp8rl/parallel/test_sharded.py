@@ -37,29 +37,6 @@ ENV8 = dict(
     PYTHONPATH=os.pathsep.join([str(SUPPORT.parents[1]), str(SUPPORT)]),
 )
 TIMING_PREFIXES = ("timing/", "throughput/")
-
-
-@pytest.mark.slow
-def test_sharded_step_matches_single_device() -> None:
-    meshes = "fsdp8,fsdp4_tensor2,data2_fsdp4"
-    proc = subprocess.run(
-        [sys.executable, str(SUPPORT / "sharded_check.py"), f"bf16:{meshes}", "fp8_block:fsdp4_tensor2"],
-        capture_output=True, text=True, env=ENV8, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 4
-    for name, r in report.items():
-        tol_params = 1e-5 if name.startswith("bf16:") else 2e-3
-        for k, tol in (("loss", 1e-5), ("grads", 1e-5), ("params_after_3", tol_params)):
-            assert r[k] <= tol, (name, k, r[k])
-        assert r["metrics"] <= 1e-3, (name, r["metrics"])  # ratios of small sums, quantiles
-        # Params and Adam moments are really split: a device holds 1 / (fsdp x tensor) of q_proj.
-        assert r["q_spec"] == r["mu_spec"] and "fsdp" in r["q_spec"], (name, r)
-        shards = 8 // (2 if "data2" in name else 1)
-        assert r["q_shard_fraction"] == 1 / shards, (name, r)
-
-
 SCRIPT = """
 import json, sys
 from jfp8rl.config import load_config
@@ -73,42 +50,89 @@ print(json.dumps([read_metrics(f"{out}/full"), read_metrics(f"{out}/resumed")]))
 """
 
 
+def trainer_overrides(tmp: Path, cache_dir: Path) -> list[str]:
+    """The trainer test's settings but run_dir: 2 micro-batches per mini-batch."""
+    sets = small(tmp, cache_dir, "train.micro_batch_size=4", "train.eval_every=0",
+                 "checkpoint.every=1")  # fmt: skip
+    return [o for o in sets if not o.startswith("run_dir=")]
+
+
+class Job:
+    """An 8-device subprocess, output to files (no pipe fills up while nobody reads it)."""
+
+    def __init__(self, out: Path, *args: str) -> None:
+        self.out, self.err = out.with_suffix(".out"), out.with_suffix(".err")
+        with self.out.open("w") as o, self.err.open("w") as e:
+            self.proc = subprocess.Popen([sys.executable, *args], stdout=o, stderr=e, env=ENV8)
+
+    def last_line(self, timeout_s: float = 900) -> str:
+        """Its last stdout line, once it exited 0 (else its stderr's tail)."""
+        try:
+            rc = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert rc == 0, self.err.read_text()[-3000:]
+        return self.out.read_text().strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def jobs(request: pytest.FixtureRequest, cache_dir: Path, tmp_path_factory):
+    """Both tests' subprocesses, started together: each one compiles on one thread, so on two
+    cores they run side by side (and beside this process: the base policy's warm start, the
+    single-device run) rather than one after the other."""
+    out = tmp_path_factory.mktemp("sharded")
+    meshes = "fsdp8,fsdp4_tensor2,data2_fsdp4"
+    check = Job(out / "check", str(SUPPORT / "sharded_check.py"), f"bf16:{meshes}",
+                "fp8_block:fsdp4_tensor2")  # fmt: skip
+    request.getfixturevalue("base_policy_dir")  # the trainer reads it from cache_dir
+    sharded = [*trainer_overrides(out, cache_dir), "train.mesh.fsdp=4", "train.mesh.tensor=2"]
+    trainer = Job(out / "trainer", "-c", SCRIPT, json.dumps(sharded), str(out), str(TINY))
+    yield check, trainer, out
+    for job in (check, trainer):
+        job.proc.kill()
+        job.proc.wait()
+
+
 @pytest.mark.slow
-def test_trainer_sharded_micro_batched_resume_exact(
-    base_policy_dir: Path, cache_dir: Path, tmp_path: Path
-) -> None:
-    overrides = [
-        o
-        for o in small(
-            tmp_path, cache_dir, "train.micro_batch_size=4", "train.eval_every=0",
-            "checkpoint.every=1",
-        )
-        if not o.startswith("run_dir=")
-    ]  # fmt: skip
-    sharded = [*overrides, "train.mesh.fsdp=4", "train.mesh.tensor=2"]
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(sharded), str(tmp_path), str(TINY)],
-        capture_output=True, text=True, env=ENV8, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    full, resumed = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_sharded_step_matches_single_device(jobs) -> None:
+    report = json.loads(jobs[0].last_line())
+    assert len(report) == 4
+    for name, r in report.items():
+        tol_params = 1e-5 if name.startswith("bf16:") else 2e-3
+        for k, tol in (("loss", 1e-5), ("grads", 1e-5), ("params_after_3", tol_params)):
+            assert r[k] <= tol, (name, k, r[k])
+        assert r["metrics"] <= 1e-3, (name, r["metrics"])  # ratios of small sums, quantiles
+        # Params and Adam moments are really split: a device holds 1 / (fsdp x tensor) of q_proj.
+        assert r["q_spec"] == r["mu_spec"] and "fsdp" in r["q_spec"], (name, r)
+        shards = 8 // (2 if "data2" in name else 1)
+        assert r["q_shard_fraction"] == 1 / shards, (name, r)
+
+
+@pytest.mark.slow
+def test_trainer_sharded_micro_batched_resume_exact(jobs, cache_dir: Path, tmp_path: Path) -> None:
+    # The same run on one device (in-process, while the sharded one may still run): the same
+    # math up to summation order. The tiny config trains in FP8 (block recipe), where a split
+    # matmul's f32 order can flip an FP8 rounding: measured 6.6e-4 relative on step 2's grad
+    # norm (sharded_check measures 4e-4 on params); hence 5e-3. Two steps: later rollouts
+    # sample from weights that differ by rounding and may diverge.
+    one_dir = tmp_path / "one"
+    run(load_config(TINY, [*trainer_overrides(tmp_path, cache_dir), f"run_dir={one_dir}",
+                           "train.stop_after=2"]))  # fmt: skip
+    one = read_metrics(one_dir)
+    _, trainer, out = jobs
+    full, resumed = json.loads(trainer.last_line())
+    # Stopped after step 2 and resumed == uninterrupted, exactly.
     assert [r["step"] for r in full] == [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     for ra, rb in zip(full, resumed, strict=True):
         for k, va in ra.items():
             if not k.startswith(TIMING_PREFIXES):
                 assert rb[k] == va, (ra["step"], k, va, rb[k])
-    pa = read_safetensors(tmp_path / "full" / "hf_final" / "model.safetensors")
-    pb = read_safetensors(tmp_path / "resumed" / "hf_final" / "model.safetensors")
+    pa = read_safetensors(out / "full" / "hf_final" / "model.safetensors")
+    pb = read_safetensors(out / "resumed" / "hf_final" / "model.safetensors")
     assert pa.keys() == pb.keys()
     for k in pa:
         assert (pa[k] == pb[k]).all(), k
-    # The same run on one device (in-process): the same math up to summation order. The tiny
-    # config trains in FP8 (block recipe), where a split matmul's f32 order can flip an FP8
-    # rounding: measured 6.6e-4 relative on step 2's grad norm (sharded_check measures 4e-4
-    # on params); hence 5e-3. Two steps: later rollouts sample from weights that differ by
-    # rounding and may diverge.
-    run(load_config(TINY, [*overrides, f"run_dir={tmp_path / 'one'}", "train.stop_after=2"]))
-    one = read_metrics(tmp_path / "one")
     assert [r["step"] for r in one] == [0, 1, 2]
     for ra, rb in zip(one, full[:3], strict=True):
         for k, va in ra.items():

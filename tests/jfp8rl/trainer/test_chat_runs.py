@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bridge_support import VllmServer
 from chat_model import write_chat_model, write_verl_parquet
 from tiny_run import TINY
 
@@ -26,7 +27,9 @@ from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main as train_main
 from models.tokenizer import load_tokenizer
 
-pytestmark = pytest.mark.vllm
+# The real vLLM of the HTTP run is launched as the module starts: its start-up runs beside the
+# transformers jobs and the embedded run.
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("chat_vllm")]
 
 SYSTEM = "You are a helpful assistant."
 PROBLEMS = [(f"What is {a} + {b}?", str(a + b)) for a, b in [(2, 3), (12, 30), (7, 8), (40, 2)]]
@@ -54,6 +57,14 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_chat_model(tmp_path_factory.mktemp("chat") / "model")
+
+
+@pytest.fixture(scope="module")
+def chat_vllm(chat_dir: Path, vllm_venv: Path):
+    """A real vLLM serving chat_dir, launched (its users wait until it is healthy)."""
+    server = VllmServer(chat_dir, venv=vllm_venv, max_model_len=256).launch()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +169,8 @@ def _check_dumps(run_dir: Path, chat_dir: Path, ref_ids: list[list[int]], ref_te
 
 
 def test_parquet_math_runs_embedded_and_vllm(
-    chat_dir: Path, parquet: Path, tmp_path: Path, vllm_venv: Path, refs: dict[bool, dict]
+    chat_dir: Path, parquet: Path, tmp_path: Path, chat_vllm, refs: dict[bool, dict]
 ) -> None:
-    from bridge_support import VllmServer
-
     cache = tmp_path / "jax"
     # Embedded engine, thinking off.
     emb = tmp_path / "embedded"
@@ -178,7 +187,7 @@ def test_parquet_math_runs_embedded_and_vllm(
     # jfp8rl.eval --url on the final weights (the last push), as the run's final eval did.
     ids_on, text_on = refs[True]["input_ids"][k:], refs[True]["text"][k:]
     assert ids_on != ids_off
-    with VllmServer(chat_dir, venv=vllm_venv, max_model_len=256) as srv:
+    with chat_vllm.start() as srv:
         http = tmp_path / "vllm"
         _run(
             http, chat_dir, parquet, cache, "rollout.backend=http", f"rollout.url={srv.url}",

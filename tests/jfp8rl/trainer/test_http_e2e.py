@@ -37,6 +37,21 @@ def _finite_steps(run_dir: Path) -> list[int]:
     return steps
 
 
+@pytest.fixture(scope="module")
+def policy_vllm(base_policy_dir: Path, request: pytest.FixtureRequest):
+    """A real vLLM serving the base policy, launched as the module starts (the serve test runs
+    meanwhile); None with JFP8RL_SKIP_VLLM=1."""
+    try:
+        venv = request.getfixturevalue("vllm_venv")
+    except pytest.skip.Exception:
+        yield None
+        return
+    server = VllmServer(base_policy_dir, venv=venv, max_model_len=64).launch()
+    yield server
+    server.stop()
+
+
+@pytest.mark.usefixtures("policy_vllm")
 def test_serve_backend_then_server_dies(
     base_policy_dir: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -78,10 +93,10 @@ def test_serve_backend_then_server_dies(
 
 @pytest.mark.vllm
 def test_real_vllm_backend(
-    vllm_venv: Path, base_policy_dir: Path, cache_dir: Path, tmp_path: Path
+    vllm_venv: Path, policy_vllm, base_policy_dir: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "vllm"
-    with VllmServer(base_policy_dir, venv=vllm_venv, max_model_len=64) as srv:
+    with policy_vllm.start() as srv:
         argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
                 f"rollout.url={srv.url}", "rollout.export_format=fp8_fp32", "train.steps=3",
                 "train.eval_every=0", f"model.path={base_policy_dir}",

@@ -14,17 +14,12 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bridge_support import VllmServer
 
-from models.config import get_config
-from models.functional import init_model
-from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.server.http_server import ServerState, make_server
@@ -36,10 +31,10 @@ PROMPTS = [[72, 101, 108, 108, 111, 32], [49, 43, 50, 61, 51, 10, 50, 43]]
 
 
 @pytest.fixture(scope="module")
-def servers(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    cfg = get_config("tiny_qwen2_vllm")  # vLLM's CPU attention refuses head_dim 16
-    _, params = init_model(cfg, 0)
-    model_dir = save_hf(tmp_path_factory.mktemp("parity_hf"), cfg, params, build_byte_tokenizer())
+def servers(tiny_vllm) -> Iterator[dict]:
+    """Our server on the folder the session's tiny vLLM serves (tests/rollout_bridge/conftest.py:
+    `tiny_qwen2_vllm`, seed 0; vLLM's CPU attention refuses head_dim 16), as it started."""
+    model_dir = tiny_vllm.model_dir
     engine = EmbeddedBackend.from_hf_dir(
         model_dir, recipe="bf16", config_overrides={"compute_dtype": jnp.float32}, max_len=256
     )
@@ -47,12 +42,12 @@ def servers(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     ours = make_server(state)
     threading.Thread(target=ours.serve_forever, daemon=True).start()
     try:
-        with VllmServer(model_dir, venv=vllm_venv) as vllm:
-            yield {
-                "ours": f"http://127.0.0.1:{ours.server_port}",
-                "vllm": vllm.url,
-                "model": str(model_dir),
-            }
+        vllm = tiny_vllm.wait_healthy()
+        yield {
+            "ours": f"http://127.0.0.1:{ours.server_port}",
+            "vllm": vllm.url,
+            "model": str(model_dir),
+        }
     finally:
         ours.shutdown()
         ours.server_close()
