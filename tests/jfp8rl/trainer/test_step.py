@@ -171,7 +171,9 @@ def test_overflowing_update_is_skipped(tiny) -> None:
         "calib": init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2)),
     }
     mb_dev = {k: jnp.asarray(v) for k, v in mb.items()}
-    loss, grads, _, _ = huge.loss_and_grads(params, state["calib"], mb_dev, False, False)
+    # Jitted as in `update` (one compile; op by op it compiles ~200 small programs).
+    loss_and_grads = jax.jit(huge.loss_and_grads, static_argnums=4)
+    loss, grads, _, _ = loss_and_grads(params, state["calib"], mb_dev, jnp.asarray(False), False)
     assert np.isfinite(float(loss))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
     _assert_skipped(huge, state, mb)
