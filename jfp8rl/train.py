@@ -10,8 +10,8 @@ no flags under SLURM `srun` / `mpirun`, where JAX finds its processes itself
 (`jfp8rl.parallel.distributed.initialize`). Every process gets the same config and overrides.
 
 Exit codes: 0 done; 2 bad configuration or data, or no intact checkpoint to resume from; 1 the
-run stopped (rollout backend failure, too many non-finite updates): the message names the last
-checkpoint and the resume command.
+run stopped (rollout backend failure, too many non-finite updates, a failed checkpoint save):
+the message names the last checkpoint and the resume command.
 """
 
 from __future__ import annotations

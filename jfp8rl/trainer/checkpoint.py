@@ -10,8 +10,10 @@ Each checkpoint `<step>/` holds two items and a manifest:
 
 Saves are synchronous and atomic (orbax writes a temporary folder and renames it when
 complete, the manifest being the last file written before the rename), so a crash, a dying
-rollout server or a failed write never leaves a half-written latest checkpoint. The newest
-`keep` are kept.
+rollout server or a failed write never leaves a half-written latest checkpoint. A save that
+fails (disk full, a file-size limit) raises after removing its temporary folder; the older
+checkpoints stay (orbax deletes the oldest only after a save succeeded). The newest `keep`
+are kept.
 
 Resume (`newest_intact`): the newest checkpoint that passes its manifest check
 (`checkpoint.verify`: "full" sizes and digests, "size" sizes only, "none" no check) on every
@@ -28,7 +30,11 @@ manifest and renames the temporary folder; so the atomic guarantee holds across 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +109,36 @@ def require_intact(run_dir: str | Path, step: int, mode: str) -> None:
         raise CheckpointDamaged(f"checkpoint {directory}/{step} is damaged: {problem}")
 
 
+class _NoTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def terse_write_errors() -> Iterator[None]:
+    """While saving, orbax's own reports of a failed write lose their tracebacks: its ERROR
+    log of each writer thread's exception keeps its one line, and tensorstore's callbacks into
+    the event loop of the aborted save ("Event loop is closed", reported as unraisable, tens
+    of them) are dropped. The save's error itself is raised as it is."""
+    log = logging.getLogger("absl")
+    terse, previous = _NoTraceback(), sys.unraisablehook
+
+    def hook(u: Any) -> None:
+        if not (
+            isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"
+        ):
+            previous(u)
+
+    log.addFilter(terse)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        log.removeFilter(terse)
+
+
 class Checkpointer:
     """Save / restore the trainer state of a run folder."""
 
@@ -126,17 +162,25 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        """Writes checkpoint `step` (overwrites nothing: a step is saved once)."""
+        """Writes checkpoint `step` (overwrites nothing: a step is saved once). On a failed
+        write the partial temporary folder is removed and the error raised."""
         if step in self.manager.all_steps():
             return
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        try:
+            with terse_write_errors():
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                    ),
+                    force=True,
+                )
+                self.manager.wait_until_finished()
+        except BaseException:
+            if distributed.is_main():  # the space it took, on the filesystem all processes see
+                for tmp in self.directory.glob(f"{step}{ocp.path.atomicity.TMP_DIR_SUFFIX}*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
         """(state, meta) of checkpoint `step`; `like` is a state pytree of the same structure

@@ -158,7 +158,7 @@ def setup(
 
 def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
     """The first sync (and at step 0 the base policy's eval and checkpoint), then the steps
-    up to `stop_at`; a rollout backend failure becomes `RunStopped`."""
+    up to `stop_at`; a rollout backend failure or a failed write becomes `RunStopped`."""
     try:
         stage_sync(t, state, p.step)
         log_memory(t.log, f"sync {p.step}")
@@ -174,6 +174,13 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
         raise RunStopped(
             f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
             f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
+            + resume_hint(t.cfg)
+        ) from e
+    except OSError as e:  # a write of the run (weight export, metrics, dumps): disk full, ...
+        last = t.ckpt.latest_step()
+        raise RunStopped(
+            f"a write failed at step {p.step}: {e}\nLast checkpoint: {t.ckpt.directory}/{last} "
+            f"(step {last}). Fix the cause (disk full? a file-size limit?), then resume: "
             + resume_hint(t.cfg)
         ) from e
 
