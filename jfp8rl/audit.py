@@ -15,6 +15,7 @@ from pathlib import Path
 from jfp8rl.analysis.audit import AUDITED_RECIPES, UPDATES, checkpoint_step, run_audit
 from jfp8rl.config import ConfigError
 from jfp8rl.data.records import DataError
+from jfp8rl.trainer.errors import CheckpointDamaged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             config, args.overrides, args.out, recipes, log=lambda m: print(m, file=sys.stderr),
             checkpoint=args.checkpoint or None, updates=updates,
         )  # fmt: skip
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointDamaged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(Path(args.out) / "audit.md")

@@ -15,11 +15,12 @@ import argparse
 import sys
 
 from jfp8rl.config import ConfigError
+from jfp8rl.trainer.errors import CheckpointDamaged
 from jfp8rl.trainer.policy import export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI; returns the exit code (0 done, 2 bad run folder or step)."""
+    """The CLI; returns the exit code (0 done, 2 bad run folder, or a missing or damaged step)."""
     parser = argparse.ArgumentParser(
         prog="python -m jfp8rl.export", description="Export a run checkpoint as an HF folder."
     )
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export_checkpoint(
             args.run_dir, args.step, args.out or None, log=lambda m: print(m, file=sys.stderr)
         )
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, CheckpointDamaged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

@@ -9,8 +9,9 @@ Several hosts (docs/cluster.md): one process per host, each started with
 no flags under SLURM `srun` / `mpirun`, where JAX finds its processes itself
 (`jfp8rl.parallel.distributed.initialize`). Every process gets the same config and overrides.
 
-Exit codes: 0 done; 2 bad configuration or data; 1 the run stopped (rollout backend failure,
-too many non-finite updates): the message names the last checkpoint and the resume command.
+Exit codes: 0 done; 2 bad configuration or data, or no intact checkpoint to resume from; 1 the
+run stopped (rollout backend failure, too many non-finite updates, a failed checkpoint save):
+the message names the last checkpoint and the resume command.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.records import DataError
 from jfp8rl.parallel import distributed
-from jfp8rl.trainer.errors import RunStopped
+from jfp8rl.trainer.errors import CheckpointDamaged, RunStopped
 from jfp8rl.trainer.loop import run
 from rollout_bridge.backend import RolloutError
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(distributed.describe(), file=sys.stderr, flush=True)
         cfg = load_config(args.config, args.overrides)
         run(cfg, resume="require" if args.resume else "never" if args.fresh else "auto")
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointDamaged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (RunStopped, RolloutError) as e:

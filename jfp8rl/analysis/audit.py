@@ -58,7 +58,7 @@ import numpy as np
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
-from jfp8rl.trainer.checkpoint import Checkpointer
+from jfp8rl.trainer.checkpoint import Checkpointer, require_intact
 from jfp8rl.trainer.loop import setup
 from jfp8rl.trainer.microbatch import map_micro, num_micro_batches
 from jfp8rl.trainer.settings import step_settings
@@ -322,7 +322,9 @@ def checkpoint_step(path: str | Path) -> tuple[Path, int]:
 def restore_checkpoint(t: Trainer, state: dict[str, Any], run_dir: Path, step: int) -> tuple:
     """(the train state of `run_dir`'s checkpoint `step`, restored in the layout of `state`;
     the run's `Progress` there). The audit's updates then start from its params, Adam
-    moments and calibration state, and its rollout is the run's next step's."""
+    moments and calibration state, and its rollout is the run's next step's. A checkpoint
+    that fails its manifest check (`checkpoint.verify`) raises `CheckpointDamaged`."""
+    require_intact(run_dir, step, t.cfg.checkpoint.verify)
     ckpt = Checkpointer(run_dir, keep=1_000_000)
     try:
         restored, meta = ckpt.restore(step, jax.tree.map(abstract_array, state))

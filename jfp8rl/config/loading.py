@@ -3,8 +3,8 @@
 `load_config(yaml_path, overrides)` merges, in order, the dataclass defaults, the YAML file and
 command-line overrides (`optim.lr=3e-4 algorithm.name=dapo`). OmegaConf checks every key and
 type against the dataclasses; an unknown key or a wrong type raises `ConfigError` naming the
-full key (e.g. `optim.lrr`) and the file it came from. Field values are then checked by each
-dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config.yaml` by
+full key (e.g. `optim.lrr`) and the file it came from; so does a malformed override, and a
+NaN in a float field. Field values are then checked by each dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config.yaml` by
 `save_config`, and that file loads back into an equal `Config`.
 
 Sections (one dataclass each): model, warmstart, data, rollout, reward, algorithm,
@@ -14,7 +14,10 @@ exists (`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
+from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
@@ -29,14 +32,6 @@ def _describe(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None)
     msg = str(err).split("\n")[0]
     return f"key {key!r}: {msg}" if key else msg
-
-
-def _yaml_error(value: str) -> bool:
-    try:
-        yaml.safe_load(value)
-    except yaml.YAMLError:
-        return True
-    return False
 
 
 def load_config(
@@ -66,19 +61,22 @@ def load_config(
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like section.key=value")
-        # `key=` means the empty string (OmegaConf would read it as null).
-        dotlist = [item + "''" if item.endswith("=") else item for item in overrides]
-        try:
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"command-line override: {_describe(e)}") from e
-        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
-            bad = next((it for it in dotlist if _yaml_error(it.split("=", 1)[1])), dotlist)
-            why = " ".join(str(e).split())
-            raise ConfigError(
-                f"command-line override {bad!r}: its value is not valid YAML ({why}); quote it, "
-                "e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
-            ) from e
+        # One at a time, so that an error names its override. `key=` means the empty string
+        # (OmegaConf would read it as null).
+        for item in overrides:
+            try:
+                dot = item + "''" if item.endswith("=") else item
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist([dot]))
+                if "${" in item:  # resolve it now: a failing interpolation names its override
+                    OmegaConf.select(base, item.split("=", 1)[0])
+            except (OmegaConfBaseException, TypeError) as e:  # TypeError: list <- dict merges
+                raise ConfigError(f"command-line override {item!r}: {_describe(e)}") from e
+            except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
+                why = " ".join(str(e).split())
+                raise ConfigError(
+                    f"command-line override {item!r}: its value is not valid YAML ({why}); quote "
+                    "it, e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+                ) from e
         # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
         # file's mandatory keys are checked against what the overrides set.
         given = {item.split("=", 1)[0] for item in overrides}
@@ -96,7 +94,22 @@ def load_config(
     except ConfigError:
         raise
     assert isinstance(cfg, Config)
+    nan = _nan_keys(cfg)
+    if nan:
+        raise ConfigError(f"{nan[0]}=nan: not a number ({path or 'config'} or an override)")
     return cfg
+
+
+def _nan_keys(section: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of the float fields that are NaN (a value no check compares false)."""
+    out = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _nan_keys(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and math.isnan(value):
+            out.append(f"{prefix}{f.name}")
+    return out
 
 
 def to_yaml(cfg: Config) -> str:

@@ -380,10 +380,16 @@ class CheckpointConfig:
     keep: int = 2
     # Write the final policy as an HF folder `<run_dir>/hf_final` (vLLM can serve it).
     export_hf: bool = True
+    # Check of the checkpoint a run resumes from, against the size and xxh3_128 digest of
+    # each file recorded at save (jfp8rl/trainer/checkpoint_manifest.py): "full" (sizes and
+    # digests: reads the whole checkpoint once), "size" (sizes only), "none". A damaged one is
+    # named with its file and set aside, and the run resumes from the newest intact one.
+    verify: str = "full"
 
     def __post_init__(self) -> None:
         check_positive("checkpoint", "every", self.every)
         check_positive("checkpoint", "keep", self.keep)
+        check_choice("checkpoint", "verify", self.verify, ("full", "size", "none"))
 
 
 @dataclasses.dataclass

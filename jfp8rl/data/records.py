@@ -123,16 +123,29 @@ def parse_record(record: Any, where: str, *, prompt_key: str = "", answer_key: s
 
 
 def _jsonl_records(p: Path) -> Iterator[tuple[str, Any]]:
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Read as bytes and decoded line by line, so that bad UTF-8 is named by its line too.
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{p}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                ) from e
             if not line.strip():
                 continue
             try:
-                yield f"{p}:{lineno}", json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
-                ) from e
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+            except (ValueError, RecursionError) as e:  # a number over 4300 digits, deep nesting
+                raise DataError(f"{where}: unreadable JSON ({_one_line(e)})") from e
+            yield where, record
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _parquet_records(p: Path) -> Iterator[tuple[str, Any]]:
@@ -141,10 +154,10 @@ def _parquet_records(p: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(p)
+        rows = pq.read_table(p).to_pylist()
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{p}: not a readable Parquet file ({e})") from e
-    for i, row in enumerate(table.to_pylist()):
+        raise DataError(f"{p}: not a readable Parquet file ({_one_line(e)})") from e
+    for i, row in enumerate(rows):
         yield f"{p} row {i}", row
 
 

@@ -19,6 +19,8 @@ With one process they are plain calls (no communication).
 * `on_main`: a side effect on process 0 while the others do their part of its collectives
   (`follow`); a failure on process 0 is raised on every process, so all stop together and the
   checkpoint stays the last complete one;
+* `all_gather_json`: every process's JSON-able value on every process (the checkpoint
+  checks of a resume agree on their verdicts with it);
 * `consume_on_main`: process 0 consumes a stream of gathered tensors (a weight push, the final
   HF export) while the others gather with it; a failure part-way still completes every gather
   before it is raised on all.
@@ -150,6 +152,20 @@ def broadcast_from_main(
         out[k] = np.frombuffer(data, np.dtype(dt), count, offset).reshape(shape).copy()
         offset += count * np.dtype(dt).itemsize
     return out, head["info"]
+
+
+def all_gather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able `value`, in process order, on every process. Two all-gathers:
+    the byte counts, then the JSON bytes padded to the longest; no pickle."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+    sizes = sizes.reshape(-1)
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(sizes.size, -1)
+    return [json.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
 
 
 def _agree(error: BaseException | None) -> None:

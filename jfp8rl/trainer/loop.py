@@ -33,8 +33,14 @@ from jfp8rl.observe.metrics import MetricsLogger, read_metrics
 from jfp8rl.parallel import distributed
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.backends import make_backend
-from jfp8rl.trainer.checkpoint import Checkpointer
-from jfp8rl.trainer.errors import RunStopped, resume_hint
+from jfp8rl.trainer.checkpoint import (
+    Checkpointer,
+    checkpoints_dir,
+    newest_intact,
+    set_aside,
+    steps_on_disk,
+)
+from jfp8rl.trainer.errors import CheckpointDamaged, RunStopped, resume_hint
 from jfp8rl.trainer.policy import Policy, load_policy
 from jfp8rl.trainer.settings import build_mesh, rollout_settings, step_settings
 from jfp8rl.trainer.stages import (
@@ -62,16 +68,31 @@ def open_run_dir(cfg: Config) -> Path:
 
 
 def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpointer, int | None]:
-    """The run's checkpoint manager and its latest step; enforces `--resume` / `--fresh`."""
-    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
-    latest = ckpt.latest_step()
-    if resume == "require" and latest is None:
-        ckpt.close()
-        raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
-    if resume == "never" and latest is not None:
-        ckpt.close()
+    """The run's checkpoint manager and the step to resume from: the newest checkpoint that
+    passes its manifest check (`checkpoint.verify`), or None. Each newer damaged one is named
+    on stderr in one line (its file, what is wrong) and set aside; with checkpoints but none
+    intact the run stops (`CheckpointDamaged`). Enforces `--resume` / `--fresh`."""
+    directory = checkpoints_dir(run_dir)
+    if resume == "never" and steps_on_disk(directory):
         raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
-    return ckpt, latest
+    latest, rejected = newest_intact(directory, cfg.checkpoint.verify)
+    if rejected and latest is None:
+        problems = "; ".join(f"{directory}/{step}: {problem}" for step, problem in rejected)
+        raise CheckpointDamaged(
+            f"no intact checkpoint to resume from in {directory}: {problems}. Restore the "
+            "damaged files, or start afresh in another run_dir"
+        )
+    if resume == "require" and latest is None:
+        raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
+
+    def set_aside_damaged() -> None:
+        for step, problem in rejected:
+            moved = set_aside(directory, step)
+            msg = f"warning: checkpoint {directory}/{step} is damaged ({problem}); moved it to"
+            print(f"{msg} {moved}, resuming from {directory}/{latest}", file=sys.stderr)
+
+    distributed.on_main(set_aside_damaged)
+    return Checkpointer(run_dir, keep=cfg.checkpoint.keep), latest
 
 
 def build_trainer(
@@ -137,7 +158,7 @@ def setup(
 
 def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
     """The first sync (and at step 0 the base policy's eval and checkpoint), then the steps
-    up to `stop_at`; a rollout backend failure becomes `RunStopped`."""
+    up to `stop_at`; a rollout backend failure or a failed write becomes `RunStopped`."""
     try:
         stage_sync(t, state, p.step)
         log_memory(t.log, f"sync {p.step}")
@@ -153,6 +174,13 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
         raise RunStopped(
             f"rollout backend failed at step {p.step}: {e}\nLast checkpoint: "
             f"{t.ckpt.directory}/{last} (step {last}). Fix the server, then resume: "
+            + resume_hint(t.cfg)
+        ) from e
+    except OSError as e:  # a write of the run (weight export, metrics, dumps): disk full, ...
+        last = t.ckpt.latest_step()
+        raise RunStopped(
+            f"a write failed at step {p.step}: {e}\nLast checkpoint: {t.ckpt.directory}/{last} "
+            f"(step {last}). Fix the cause (disk full? a file-size limit?), then resume: "
             + resume_hint(t.cfg)
         ) from e
 

@@ -94,10 +94,11 @@ def export_checkpoint(
 ) -> Path:
     """Writes checkpoint `step` of `run_dir` as an HF folder (`<run_dir>/hf_step_<step>` by
     default) with the run's base-policy tokenizer files, as `hf_final` is written; returns it.
-    Only the FP32 master params are restored (no optimizer state is materialised)."""
+    Only the FP32 master params are restored (no optimizer state is materialised), after the
+    checkpoint's manifest check (`checkpoint.verify` of the run's config)."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
     policy = load_policy(cfg, log=log)
-    params = restore_params(run_dir, step, policy.params)
+    params = restore_params(run_dir, step, policy.params, verify=cfg.checkpoint.verify)
     out = Path(out_dir) if out_dir else run_dir / f"hf_step_{step}"
     return save_policy_folder(out, policy, params)

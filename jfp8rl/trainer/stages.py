@@ -179,7 +179,13 @@ def stage_log(t: Trainer, p: Progress, record: dict[str, float]) -> None:
 
 
 def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool = False) -> None:
-    """Saves checkpoint `p.step` when due (every `checkpoint.every` steps) or `force`d."""
+    """Saves checkpoint `p.step` when due (every `checkpoint.every` steps) or `force`d.
+
+    A failed save (disk full, a file-size limit) stops the run with `RunStopped` naming the
+    error, the last checkpoint and the resume command. It does not go on to retry at the next
+    checkpoint: the storage that refused this one will most likely refuse the next (and the
+    metrics and the final export after it), steps trained meanwhile would be lost with the
+    process anyway, and a resume repeats them exactly once space is freed."""
     if not (force or p.step % t.cfg.checkpoint.every == 0):
         return
     meta = {
@@ -190,7 +196,21 @@ def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool
         "carried": dict(p.carried),
         "config": to_yaml(t.cfg),
     }
-    t.ckpt.save(p.step, jax.tree.map(buffer_view, state), meta)
+    try:
+        t.ckpt.save(p.step, jax.tree.map(buffer_view, state), meta)
+    except Exception as e:
+        last = t.ckpt.latest_step()
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        fix, hint = "Fix the cause (disk full? a file-size limit?), then", resume_hint(t.cfg)
+        then = (
+            f"Last checkpoint: {t.ckpt.directory}/{last}. {fix} resume: {hint}"
+            if last is not None
+            else f"No checkpoint yet. {fix} start again: {hint.removesuffix(' --resume')}"
+        )
+        raise RunStopped(
+            f"saving checkpoint {t.ckpt.directory}/{p.step} failed, nothing of it kept: {why}\n"
+            + then
+        ) from e
 
 
 def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:

@@ -93,9 +93,7 @@ def build_state(t: Trainer, latest: int | None) -> tuple[dict[str, Any], Progres
     like = jax.tree.map(abstract_array, state)
     del state
     state, meta = t.ckpt.restore(latest, like)
-    p = Progress(
-        meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta["carried"])
-    )
+    p = Progress(meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta["carried"]))
     t.log(f"resumed from {t.ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
     return state, p
 
