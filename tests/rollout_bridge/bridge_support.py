@@ -39,6 +39,7 @@ from rollout_bridge.weights.safetensors_io import read_safetensors_header
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout under test
 SETUP_SCRIPT = ROOT / "scripts" / "setup_vllm_env.sh"
+TINY_VLLM_KEY = "tiny-vllm-key"  # the API key of the session's tiny vLLM (conftest.py)
 
 
 # -- a real vLLM ------------------------------------------------------------------------------
