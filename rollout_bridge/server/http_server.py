@@ -237,10 +237,18 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own errors (a malformed request line, headers too long, an unknown
-        method) as JSON, like every other answer."""
+        method) as JSON, like every other answer; an unknown method is a 405, as vLLM's."""
         self.close_connection = True
         status = HTTPStatus(code)
+        if status == HTTPStatus.NOT_IMPLEMENTED:
+            status = HTTPStatus.METHOD_NOT_ALLOWED
         self._send(status, oaf.error_body(status, message or status.phrase))
+
+    def do_HEAD(self) -> None:  # noqa: N802 (no body may follow a HEAD answer)
+        self.close_connection = True
+        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def _body(self) -> dict[str, Any]:
         if "Transfer-Encoding" in self.headers:

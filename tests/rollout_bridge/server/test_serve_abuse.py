@@ -200,9 +200,11 @@ def test_malformed_http_gets_json_errors(server: ServeProcess) -> None:
         assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == 413
     finally:
         conn.close()
-    for method, path, want in [("PUT", "/v1/completions", 405), ("GET", "/nowhere", 404)]:
+    for method, path, want in [("PUT", "/v1/completions", 405), ("GET", "/nowhere", 404),
+                               ("OPTIONS", "/health", 405), ("BREW", "/", 405)]:  # fmt: skip
         status, body = call(server, method, path)
-        assert status == want and body["error"]["code"] == want
+        assert status == want and body["error"]["code"] == want, (method, path, body)
+    assert call(server, "HEAD", "/health") == (405, None)
     status, body = call(server, "POST", "/init_weight_transfer_engine", {"init_info": "x"})
     assert status == 400
 
@@ -294,7 +296,7 @@ _paths = st.sampled_from(
 ) | st.text("abcdefgh/_-.%0123456789", max_size=16).map(lambda s: "/" + s)  # fmt: skip
 _case = st.one_of(
     st.tuples(st.just("POST"), st.just("/v1/completions"), _completion, st.just(KEY)),
-    st.tuples(st.sampled_from(["GET", "POST", "PUT", "DELETE"]), _paths,
+    st.tuples(st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "BREW"]), _paths,
               _json | _completion | st.binary(max_size=64), st.sampled_from([KEY, None, "x"])),
 )  # fmt: skip
 
