@@ -4,14 +4,14 @@ It runs the same `models` decoder as the trainer, under the rollout recipe (`fp8
 default: W8A8 with 128 x 128 weight blocks and 1 x 128 activation tiles, as vLLM serves FP8
 block checkpoints).
 
-Generation, one jitted call (`programs.generate_rows`) per chunk of at most `max_num_seqs` rows
-(all prompts x n samples of a `generate`, prompt-major, as padded batches: `batching`); `prefill` fills the KV cache and gives the first
-next-token logits, then a `lax.while_loop` runs `decode_step` + sampling until every row has
-finished (stop/eos token or its max_tokens) or the step budget is spent. Every sampling knob is
-a traced per-row array, so RL steps with similar shapes reuse one executable. The sampling
-rules and the logprob convention are those of `sampling`: the logprob of each sampled token is
-that of the distribution actually sampled from; greedy (temperature 0) gives the argmax and its
-raw logprob.
+Generation, one jitted call (`programs.generate_rows`) per chunk of at most `max_num_seqs`
+rows (the prompts x n samples of a `generate`, prompt-major, as padded batches: `batching`);
+`prefill` fills the KV cache and gives the first next-token logits, then a `lax.while_loop`
+runs `decode_step` + sampling until every row has finished (stop/eos token or its max_tokens)
+or the step budget is spent. Every sampling knob is a traced per-row array, so RL steps with
+similar shapes reuse one executable. The sampling rules and the logprob convention are those of
+`sampling`: the logprob of each sampled token is that of the distribution actually sampled
+from; greedy (temperature 0) gives the argmax and its raw logprob.
 
 Weights. `push_weights(hf_state, version)` goes the way an external server's weights go:
 `rollout_bridge.export.export_weights` writes the rollout format into the shared-memory export
