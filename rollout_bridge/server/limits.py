@@ -14,9 +14,9 @@ Memory, bounded whatever a request asks:
     first served; one that could never fit (more than `--max-pending-seqs` alone) is refused
     with 400 naming the flag. vLLM queues without a bound instead (n up to
     VLLM_MAX_N_SEQUENCES = 16384 per prompt, any number of prompts);
-  * bodies over `MAX_BODY_BYTES` are refused with 413, at most `MAX_CONNECTIONS` requests are
-    handled at once (more wait in the listen queue), and a client that stalls for
-    `SOCKET_TIMEOUT_S` mid-request is disconnected.
+  * bodies over `MAX_BODY_BYTES` are refused with 413; at most `MAX_CONNECTIONS` connections
+    are served at once, a request on any other gets 503 (clients retry it) before its body is
+    read; a client that stalls for `SOCKET_TIMEOUT_S` mid-request is disconnected.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import socket
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from models import functional as mf
 from models.config import get_config
 from models.hf_io import save_hf
 from models.tokenizer import build_byte_tokenizer
+from rollout_bridge.server.limits import MAX_CONNECTIONS
 
 KEY = "k3y-for-tests"
 MAX_LEN, MAX_SEQS, MAX_PENDING, VOCAB = 16, 8, 32, 512
@@ -209,6 +211,23 @@ def test_malformed_http_gets_json_errors(server: ServeProcess) -> None:
     assert status == 400
 
 
+def test_connections_beyond_the_cap_get_503(server: ServeProcess) -> None:
+    """64 idle connections hold every slot: the next request gets 503 (which clients retry)
+    without its body being read; once they close, requests are served again."""
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)  # every idle connection has its handler thread
+        status, body = complete(server, {"prompt": [[1]], "max_tokens": 1})
+        assert status == 503 and "busy" in body["error"]["message"]
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while complete(server, {"prompt": [[1]], "max_tokens": 1})[0] == 503:
+        assert time.monotonic() < deadline, "slots not released"
+        time.sleep(0.1)
+
+
 def test_api_key_guards_every_route_but_health(server: ServeProcess) -> None:
     """vLLM's --api-key guards /v1/... only; ours also the weight routes, so that nobody
     without the key loads a folder of their choosing or pauses the server."""
@@ -244,12 +263,16 @@ def test_requests_beyond_the_pending_limit_wait(server: ServeProcess) -> None:
 
 # -- fuzz ------------------------------------------------------------------------------------
 
-_json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda kids: (
-        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids, max_size=4)
-    ),
-    max_leaves=12,
+_scalar = (
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+)
+_flat = (
+    _scalar
+    | st.lists(_scalar, max_size=4)
+    | st.dictionaries(st.text(max_size=6), _scalar, max_size=4)
+)
+_json = (
+    _flat | st.lists(_flat, max_size=3) | st.dictionaries(st.text(max_size=6), _flat, max_size=3)
 )
 _token = st.integers(-2, VOCAB + 2) | st.sampled_from([2**31, 2**64, -(2**63)]) | _json
 _ids = st.lists(st.integers(0, VOCAB - 1), max_size=18) | st.lists(_token, max_size=18)
