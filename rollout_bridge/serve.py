@@ -1,7 +1,8 @@
 """`python -m rollout_bridge.serve --model <hf_dir>`: the embedded engine behind vLLM's routes.
 
-Routes, wire format and security: `rollout_bridge.server.http_server`. This command loads the
-HF folder into an `EmbeddedBackend` and serves it until interrupted.
+Routes, wire format and keys: `rollout_bridge.server.http_server`; what a request may ask and
+how much memory the server holds: `rollout_bridge.server.limits`. This command loads the HF
+folder into an `EmbeddedBackend` and serves it until interrupted.
 """
 
 from __future__ import annotations
@@ -11,14 +12,19 @@ import os
 from collections.abc import Sequence
 
 from models.tokenizer import load_tokenizer
+from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.server.http_server import ServerState, make_server
+from rollout_bridge.server.limits import DEFAULT_MAX_PENDING_SEQS, ServerLimits
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m rollout_bridge.serve",
         description="Serve the embedded JAX engine behind vLLM's OpenAI-compatible routes.",
+        epilog="Beyond loopback (--host 0.0.0.0), give a key: docs/cluster.md.",
     )
     parser.add_argument(
         "--model", required=True, help="HF folder (config.json, safetensors, tokenizer.json)"
@@ -31,14 +37,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--token",
-        default=os.environ.get("JFP8RL_SERVE_TOKEN"),
-        help="bearer token (default: env JFP8RL_SERVE_TOKEN; none = open)",
+        "--api-key",
+        nargs="+",
+        default=[os.environ.get("VLLM_API_KEY", "")],
+        help="as vLLM: every route but /health then needs 'Authorization: Bearer <one of "
+        "them>' (401 otherwise), the weight routes included (default: env VLLM_API_KEY; "
+        "none = open). Prefer the environment: arguments are visible to every user of the host",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model id in /v1/models (default: --model)"
     )
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + response")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + response in tokens, as vLLM: a longer prompt or a larger "
+        "max_tokens is refused (400), a prompt + max_tokens over it gets max_tokens lowered "
+        "(default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="sequences decoded at once, as vLLM; larger requests run in chunks of it, so the "
+        f"KV cache holds at most this many (default {DEFAULT_MAX_NUM_SEQS})",
+    )
+    parser.add_argument(
+        "--max-pending-seqs",
+        type=int,
+        default=DEFAULT_MAX_PENDING_SEQS,
+        help="sequences (prompts x n, all requests) held at once, decoding or waiting; a request "
+        "that does not fit waits, one that never can is refused with 400 "
+        f"(default {DEFAULT_MAX_PENDING_SEQS})",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -49,6 +80,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--export-format", default=None, help="format of in-process pushes (default by recipe)"
     )
     args = parser.parse_args(argv)
+    for flag in ("max_model_len", "max_num_seqs", "max_pending_seqs"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    keys = [k for k in args.api_key if k]
 
     overrides = {} if args.dtype == "auto" else {"compute_dtype": args.dtype}
     engine = EmbeddedBackend.from_hf_dir(
@@ -57,19 +93,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         config_overrides=overrides,
         max_len=args.max_model_len,
         export_format=args.export_format,
+        max_num_seqs=args.max_num_seqs,
     )
+    limits = ServerLimits(max_model_len=engine.max_len, max_pending_seqs=args.max_pending_seqs)
     state = ServerState(
         engine,
         model_name=args.served_model_name or args.model,
-        token=args.token,
+        api_keys=keys,
         tokenizer=load_tokenizer(args.model),
+        limits=limits,
     )
     server = make_server(state, args.host, args.port)
     print(
         f"rollout_bridge.serve: {args.model} (recipe {engine.recipe.name}) on "
-        f"http://{args.host}:{server.server_port}",
+        f"http://{args.host}:{server.server_port}; max_model_len {engine.max_len}, "
+        f"max_num_seqs {engine.max_num_seqs}, max_pending_seqs {limits.max_pending_seqs}, "
+        f"{'API key required' if keys else 'no API key'}",
         flush=True,
     )
+    if not keys and args.host not in _LOOPBACK:
+        print(
+            f"rollout_bridge.serve: warning: listening on {args.host} without an API key: "
+            "anyone who reaches the port can load weights from any folder it can read; set "
+            "VLLM_API_KEY (docs/cluster.md)",
+            flush=True,
+        )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -18,6 +18,11 @@
 #   --vllm-args "..."      extra `vllm serve` arguments, e.g. "--tensor-parallel-size 8"
 #   --export-root DIR      where the trainer writes weight pushes (rollout.export_root): a
 #                          filesystem every server can read; /dev/shm only on a shared host
+#   --api-key-file FILE    a file holding the servers' API key, at the same path on every host
+#                          (mode 600): the servers read it into VLLM_API_KEY and load
+#                          rollout_bridge.vllm_auth.RequireApiKey (the key on every route but
+#                          /health), the trainer into JFP8RL_ROLLOUT_API_KEY; the key is on no
+#                          command line
 # Common:
 #   --port P               coordinator port (default 6379; 0 = a free port, --local only)
 #   --repo DIR             the checkout on every host (default: this one)
@@ -31,11 +36,11 @@
 # printed kill commands).
 set -euo pipefail
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="" LOCAL=0 HOSTS="" SLURM=0 PORT=6379 DRY=0 LOG_DIR=""
-VLLM="" VLLM_MODEL="" VLLM_ARGS="" VLLM_BIN="vllm" EXPORT_ROOT=""
+VLLM="" VLLM_MODEL="" VLLM_ARGS="" VLLM_BIN="vllm" EXPORT_ROOT="" KEY_FILE=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --local) LOCAL="$2"; shift 2 ;;
@@ -49,6 +54,7 @@ while [[ $# -gt 0 ]]; do
     --vllm-args) VLLM_ARGS="$2"; shift 2 ;;
     --vllm-bin) VLLM_BIN="$2"; shift 2 ;;
     --export-root) EXPORT_ROOT="$2"; shift 2 ;;
+    --api-key-file) KEY_FILE="$2"; shift 2 ;;
     --log-dir) LOG_DIR="$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
     -h|--help) usage 0 ;;
@@ -72,6 +78,16 @@ if [[ -n "$VLLM" && ( $LOCAL -gt 0 || -z "$VLLM_MODEL" ) ]]; then
 fi
 
 q() { local out; out=$(printf '%q ' "$@"); printf '%s' "${out% }"; }  # shell-quoted words
+# The key is read from the file where each command runs, never put on a command line.
+SERVER_KEY="" TRAINER_KEY="" MIDDLEWARE=""
+if [[ -n "$KEY_FILE" ]]; then
+  SERVER_KEY="VLLM_API_KEY=\$(cat $(q "$KEY_FILE")) "
+  TRAINER_KEY="JFP8RL_ROLLOUT_API_KEY=\$(cat $(q "$KEY_FILE")) "
+  MIDDLEWARE=" --middleware rollout_bridge.vllm_auth.RequireApiKey"
+  if [[ $DRY -eq 0 && ( $LOCAL -gt 0 || $SLURM -eq 1 ) ]]; then
+    JFP8RL_ROLLOUT_API_KEY="$(cat "$KEY_FILE")"; export JFP8RL_ROLLOUT_API_KEY
+  fi
+fi
 run() { if [[ $DRY -eq 1 ]]; then echo "$*"; else bash -c "$*"; fi; }
 # `ssh HOST CMD`: run it, or print it (single-quoted for reading and pasting).
 remote() {
@@ -89,9 +105,9 @@ if [[ -n "$VLLM" ]]; then
   for hp in "${SERVERS[@]}"; do
     host="${hp%:*}" port="${hp##*:}"
     transfer='{"backend": "jfp8rl_shm"}'
-    serve="cd $(q "$REPO") && VLLM_SERVER_DEV_MODE=1 nohup $(q "$VLLM_BIN") serve $(q "$VLLM_MODEL") \
---host 0.0.0.0 --port $port --logprobs-mode processed_logprobs \
---weight-transfer-config $(q "$transfer") $VLLM_ARGS > vllm-$port.log 2>&1 & echo \$!"
+    serve="cd $(q "$REPO") && ${SERVER_KEY}VLLM_SERVER_DEV_MODE=1 nohup $(q "$VLLM_BIN") serve \
+$(q "$VLLM_MODEL") --host 0.0.0.0 --port $port --logprobs-mode processed_logprobs \
+--weight-transfer-config $(q "$transfer")$MIDDLEWARE $VLLM_ARGS > vllm-$port.log 2>&1 & echo \$!"
     remote "$host" "$serve"
     [[ $DRY -eq 1 ]] || echo "  (stop it: ssh $host kill <pid printed above>)"
     urls+=("\"http://$hp\"")
@@ -121,7 +137,7 @@ if [[ -n "$HOSTS" ]]; then
   IFS=, read -r -a HS <<< "$HOSTS"
   n=${#HS[@]} pids=()
   for i in "${!HS[@]}"; do
-    cmd="cd $(q "$REPO") && PYTHONPATH=$(q "$REPO") exec $(q "${TRAIN[@]}") \
+    cmd="cd $(q "$REPO") && ${TRAINER_KEY}PYTHONPATH=$(q "$REPO") exec $(q "${TRAIN[@]}") \
 --coordinator ${HS[0]}:$PORT --num-processes $n --process-id $i"
     if [[ $DRY -eq 1 ]]; then remote "${HS[$i]}" "$cmd"; continue; fi
     remote "${HS[$i]}" "$cmd" & pids+=($!)

@@ -4,8 +4,10 @@
 command-line overrides (`optim.lr=3e-4 algorithm.name=dapo`). OmegaConf checks every key and
 type against the dataclasses; an unknown key or a wrong type raises `ConfigError` naming the
 full key (e.g. `optim.lrr`) and the file it came from; so does a malformed override, and a
-NaN in a float field. Field values are then checked by each dataclass's `__post_init__`. The resolved config is written to `<run_dir>/config.yaml` by
-`save_config`, and that file loads back into an equal `Config`.
+NaN in a float field. Field values are then checked by each dataclass's `__post_init__`. The
+resolved config is written to `<run_dir>/config.yaml` by `save_config`, and that file loads
+back into an equal `Config`, but for `rollout.api_key`, which is never written (`to_yaml`; a
+key belongs in the environment, `JFP8RL_ROLLOUT_API_KEY`).
 
 Sections (one dataclass each): model, warmstart, data, rollout, reward, algorithm,
 calibration, train, optim, checkpoint, eval, logging. Hyperparameter names follow verl where one
@@ -113,8 +115,12 @@ def _nan_keys(section: Any, prefix: str = "") -> list[str]:
 
 
 def to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML (loads back with `load_config`)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (loads back with `load_config`), with `rollout.api_key`
+    written empty: the run folder and its checkpoints are copied and shared, keys must not be
+    (a run that needs one reads it from $JFP8RL_ROLLOUT_API_KEY, or from the override again)."""
+    conf = OmegaConf.structured(cfg)
+    conf.rollout.api_key = ""
+    return OmegaConf.to_yaml(conf)
 
 
 def save_config(cfg: Config, run_dir: str | Path) -> Path:

@@ -20,9 +20,12 @@ from losses.calibrated import BALANCES, MODES, UPPER_RULES
 from losses.registry import ALGORITHMS
 from models.config import PRESETS
 from models.fp8 import RECIPES
+from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
 from rollout_bridge.weights.hashing import HASHES
 
 DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
+# Read for the rollout servers' API key when rollout.api_key is empty.
+API_KEY_ENV = "JFP8RL_ROLLOUT_API_KEY"
 
 
 @dataclasses.dataclass
@@ -145,7 +148,10 @@ class RolloutConfig:
     # filesystem every server can read (/dev/shm only when they share this host). Empty: the
     # default (/dev/shm/jfp8rl/run-<pid>, or $JFP8RL_EXPORT_ROOT).
     export_root: str = ""
-    # Bearer token for the HTTP server; empty = none.
+    # API key of the HTTP servers (their --api-key), sent as `Authorization: Bearer <key>` to
+    # every server of rollout.url(s); empty: $JFP8RL_ROLLOUT_API_KEY, else none. Never written
+    # to <run_dir>/config.yaml or a checkpoint (`jfp8rl.config.loading.to_yaml`), so give it by
+    # the environment variable: a resume from the saved config finds it there.
     api_key: str = ""
     # FP8 recipe of the rollout engine (models.fp8.get_recipe names); embedded backend only.
     recipe: str = "fp8_block"
@@ -155,6 +161,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 6
+    # Sequences the embedded engine decodes at once (vLLM's --max-num-seqs; for servers, give
+    # it to the server): a larger batch runs in chunks of it, which bounds the KV cache. The
+    # samples do not depend on it (rollout_bridge.engine.embedded).
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     # Seconds one HTTP request may wait for its answer; a request that times out (or finds
     # the server refusing / dropping the connection) is tried again `max_retries` times.
     timeout_s: float = 60.0
@@ -196,6 +206,7 @@ class RolloutConfig:
         check_choice("rollout", "export_hash", self.export_hash, ("", *HASHES))
         check_positive("rollout", "n", self.n)
         check_positive("rollout", "max_tokens", self.max_tokens)
+        check_positive("rollout", "max_num_seqs", self.max_num_seqs)
         check_positive("rollout", "timeout_s", self.timeout_s)
         check_positive("rollout", "max_retries", self.max_retries, allow_zero=True)
         check_positive("rollout", "temperature", self.temperature)

@@ -7,10 +7,12 @@ several); `push_params` streams the params to it one tensor at a time in the pus
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from jfp8rl.config import Config, RolloutConfig
+from jfp8rl.config.sections import API_KEY_ENV
 from jfp8rl.parallel import distributed
 from jfp8rl.trainer.policy import Policy
 from models.config import ModelConfig
@@ -40,6 +42,11 @@ def push_format(r: RolloutConfig) -> str:
     return "bf16"
 
 
+def api_key(r: RolloutConfig) -> str | None:
+    """The servers' API key: `rollout.api_key`, else $JFP8RL_ROLLOUT_API_KEY, else None."""
+    return r.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
     """The configured rollout backend; it serves weights from the first `stage_sync` on.
 
@@ -53,10 +60,10 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
         return EmbeddedBackend(
             policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
-            export_format=push_format(r), export_root=root,
+            export_format=push_format(r), export_root=root, max_num_seqs=r.max_num_seqs,
         )  # fmt: skip
     settings = ClientSettings(
-        token=r.api_key or None, timeout_s=r.timeout_s, max_retries=r.max_retries,
+        api_key=api_key(r), timeout_s=r.timeout_s, max_retries=r.max_retries,
         export_format=push_format(r), export_root=root, export_hash=r.export_hash or None,
     )  # fmt: skip
     urls = r.server_urls()

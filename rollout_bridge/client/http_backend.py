@@ -1,7 +1,7 @@
 """`HttpBackend`: a `RolloutBackend` talking to a vLLM-compatible server over HTTP.
 
 The same client talks to a real vLLM (docs/rollout.md section 5) and to `python -m
-rollout_bridge.serve`; requests go through `transport.Transport` (JSON, bearer token, retries).
+rollout_bridge.serve`; requests go through `transport.Transport` (JSON, API key, retries).
 
 Exact requests sent and fields read (the server contract; docs/rollout.md sections 2 and 3).
 Request bodies are JSON objects; answers must be JSON (an empty body counts as null).
@@ -89,7 +89,7 @@ class HttpBackend(RolloutBackend):
 
     Args:
       url: server base URL, e.g. "http://127.0.0.1:8000".
-      settings: token, timeouts and retries, and how pushed weights are exported
+      settings: API key, timeouts and retries, and how pushed weights are exported
         (`ClientSettings`; default: its defaults). The export root is resolved here:
         `export_root` below.
     """

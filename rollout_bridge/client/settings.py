@@ -14,8 +14,9 @@ class ClientSettings:
     """The settings `HttpBackend` and `ServerPool` share (`jfp8rl.trainer.backends.make_backend` builds
     them from `rollout.*`)."""
 
-    # Bearer token sent on every request (vLLM `--api-key`); None: no Authorization header.
-    token: str | None = None
+    # API key sent on every request as `Authorization: Bearer <key>` (the server's
+    # `--api-key`, vLLM's or `rollout_bridge.serve`'s); None: no Authorization header.
+    api_key: str | None = None
     # Rollout format of pushed weights (`rollout_bridge.export`); a CPU vLLM needs "fp32",
     # "bf16" or "fp8_fp32" (its CPU build has no FP8 kernels).
     export_format: ExportFormat = "bf16"

@@ -1,7 +1,8 @@
 """`Transport`: one JSON request to a rollout server, with bounded retries.
 
 Only the stdlib (`urllib.request`); JSON only, never pickle. Every request carries
-`Authorization: Bearer <token>` when a token is given. Answers must be JSON (an empty body
+`Authorization: Bearer <key>` when an API key is given (all routes: vLLM checks it on /v1/...,
+`rollout_bridge.serve` on every route but /health). Answers must be JSON (an empty body
 counts as null).
 
 Errors: a refused connection, a reset / dropped connection, a socket timeout, or HTTP
@@ -32,6 +33,12 @@ _START_HINT = (
 )
 
 
+_KEY_HINT = (
+    "; the server wants an API key (its --api-key): give the client the same one "
+    "(ClientSettings.api_key; the trainer's rollout.api_key or $JFP8RL_ROLLOUT_API_KEY)"
+)
+
+
 class _Transient(Exception):
     """A failure worth retrying; `sent` is False when the request surely never arrived."""
 
@@ -54,8 +61,8 @@ class Transport:
         req.add_header("Accept", "application/json")
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        if self.settings.token:
-            req.add_header("Authorization", f"Bearer {self.settings.token}")
+        if self.settings.api_key:
+            req.add_header("Authorization", f"Bearer {self.settings.api_key}")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -63,8 +70,9 @@ class Transport:
             detail = e.read()[:2000].decode(errors="replace")
             if e.code in _TRANSIENT_HTTP:
                 raise _Transient(RuntimeError(f"HTTP {e.code}: {detail}"), sent=True) from e
+            hint = _KEY_HINT if e.code == 401 else ""
             raise RolloutError(
-                f"{method} {self.url}{path} failed: HTTP {e.code} {e.reason}: {detail}"
+                f"{method} {self.url}{path} failed: HTTP {e.code} {e.reason}: {detail}{hint}"
             ) from e
         except urllib.error.URLError as e:
             reason = e.reason

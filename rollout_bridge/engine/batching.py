@@ -1,10 +1,13 @@
 """The embedded engine's padded batches, bucketed so that similar RL steps reuse one executable.
 
-Generation: every prompt x n samples is one row; prompts are left-padded to a common length so
-the last prompt token of every row sits at the same position. Scoring: sequences right-padded.
+Generation: every prompt x n samples is one row; row r of a call is sample r % n of prompt
+r // n (prompt-major). A call is decoded in chunks of at most `max_rows` consecutive rows
+(`row_chunks`), so the KV cache holds at most `max_rows` rows whatever the call asks; within a
+chunk prompts are left-padded to a common length so the last prompt token of every row sits at
+the same position. Scoring: sequences right-padded, in chunks of at most `max_rows` too.
 Rows, prompt length and new tokens are bucketed to powers of two (rows >= 8, prompt length
->= 16, new tokens >= 16). Buckets only add padding: samples depend on (seed, prompt index,
-sample index) alone, never on the bucket (`rollout_bridge.engine.sampling`).
+>= 16, new tokens >= 16). Buckets and chunks only add padding: samples depend on (seed, prompt
+index, sample index) alone, never on the bucket or the chunk (`rollout_bridge.engine.sampling`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import numpy as np
 from rollout_bridge.backend import RolloutError, SamplingParams
 
 MIN_ROWS, MIN_PROMPT, MIN_NEW = 8, 16, 16
+# Rows decoded at once by default (`max_rows`): vLLM's default --max-num-seqs on most GPUs
+# (1024 on H100 / H200, 128 on CPU).
+DEFAULT_MAX_NUM_SEQS = 256
 STOP_SLOTS = 8  # stop ids per row (eos included)
 
 
@@ -43,8 +49,13 @@ class GenerateBatch:
     sample_index: np.ndarray  # int32 [B], j of the prompt's n samples
     max_new: np.ndarray  # int32 [B], max_tokens; 0 on padding rows (done from the start)
     stop_ids: np.ndarray  # int32 [B, STOP_SLOTS], padded with -1
-    rows: int  # the real rows, len(prompts) * n
+    rows: int  # the real rows (the first `rows` of the batch)
     cache_len: int  # P + bucketed new tokens
+
+
+def row_chunks(total: int, max_rows: int) -> list[range]:
+    """Consecutive ranges of at most `max_rows` of the rows [0, total), in order."""
+    return [range(lo, min(lo + max_rows, total)) for lo in range(0, total, max_rows)]
 
 
 def generate_batch(
@@ -52,14 +63,16 @@ def generate_batch(
     seed_indices: Sequence[int],
     sampling: SamplingParams,
     stops: set[int],
+    rows: range | None = None,
 ) -> GenerateBatch:
-    """The rows of `sampling.n` samples per prompt, prompt-major (row r: prompt r // n)."""
+    """The rows `rows` (default all) of `sampling.n` samples per prompt, prompt-major (row r:
+    sample r % n of prompt r // n); batch row k holds row rows[k]."""
     if len(stops) > STOP_SLOTS:
         raise RolloutError(f"embedded: at most {STOP_SLOTS} stop ids, got {len(stops)}")
     n = sampling.n
-    rows = len(prompts) * n
-    b = bucket(rows, MIN_ROWS)
-    plen = bucket(max(len(p) for p in prompts), MIN_PROMPT)
+    rows = range(len(prompts) * n) if rows is None else rows
+    b = bucket(len(rows), MIN_ROWS)
+    plen = bucket(max(len(prompts[r // n]) for r in rows), MIN_PROMPT)
     prompt = np.zeros((b, plen), np.int32)
     mask = np.zeros((b, plen), np.int32)
     prompt_index = np.zeros((b,), np.int32)
@@ -68,19 +81,19 @@ def generate_batch(
     max_new = np.zeros((b,), np.int32)
     # Padding rows hold one real token so that no row attends to nothing.
     prompt[:, -1], mask[:, -1] = 0, 1
-    for r in range(rows):
+    for k, r in enumerate(rows):
         i, j = divmod(r, n)
         p = prompts[i]
-        prompt[r, plen - len(p) :], mask[r, plen - len(p) :] = p, 1
-        prompt_index[r], key_index[r] = i, seed_indices[i]
-        sample_index[r], max_new[r] = j, sampling.max_tokens
+        prompt[k, plen - len(p) :], mask[k, plen - len(p) :] = p, 1
+        prompt_index[k], key_index[k] = i, seed_indices[i]
+        sample_index[k], max_new[k] = j, sampling.max_tokens
     stop_ids = np.full((b, STOP_SLOTS), -1, np.int32)
     stop_ids[:, : len(stops)] = sorted(stops)
     # Cache slots are not positions (RoPE counts real tokens only), so the bucketed cache may
     # exceed the engine's max_len; the caller bounds the real length.
     cache_len = plen + bucket(sampling.max_tokens, MIN_NEW)
     return GenerateBatch(
-        prompt, mask, prompt_index, key_index, sample_index, max_new, stop_ids, rows, cache_len
+        prompt, mask, prompt_index, key_index, sample_index, max_new, stop_ids, len(rows), cache_len
     )
 
 

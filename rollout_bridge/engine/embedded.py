@@ -4,14 +4,14 @@ It runs the same `models` decoder as the trainer, under the rollout recipe (`fp8
 default: W8A8 with 128 x 128 weight blocks and 1 x 128 activation tiles, as vLLM serves FP8
 block checkpoints).
 
-Generation, one jitted call per `generate` (`programs.generate_rows`): all prompts x n samples
-as rows of one padded batch (`batching`); `prefill` fills the KV cache and gives the first
-next-token logits, then a `lax.while_loop` runs `decode_step` + sampling until every row has
-finished (stop/eos token or its max_tokens) or the step budget is spent. Every sampling knob is
-a traced per-row array, so RL steps with similar shapes reuse one executable. The sampling
-rules and the logprob convention are those of `sampling`: the logprob of each sampled token is
-that of the distribution actually sampled from; greedy (temperature 0) gives the argmax and its
-raw logprob.
+Generation, one jitted call (`programs.generate_rows`) per chunk of at most `max_num_seqs`
+rows (the prompts x n samples of a `generate`, prompt-major, as padded batches: `batching`);
+`prefill` fills the KV cache and gives the first next-token logits, then a `lax.while_loop`
+runs `decode_step` + sampling until every row has finished (stop/eos token or its max_tokens)
+or the step budget is spent. Every sampling knob is a traced per-row array, so RL steps with
+similar shapes reuse one executable. The sampling rules and the logprob convention are those of
+`sampling`: the logprob of each sampled token is that of the distribution actually sampled
+from; greedy (temperature 0) gives the argmax and its raw logprob.
 
 Weights. `push_weights(hf_state, version)` goes the way an external server's weights go:
 `rollout_bridge.export.export_weights` writes the rollout format into the shared-memory export
@@ -34,7 +34,7 @@ import dataclasses
 import secrets
 import shutil
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,14 @@ from rollout_bridge.backend import (
 )
 from rollout_bridge.engine import params as engine_params
 from rollout_bridge.engine import sampling as smp
-from rollout_bridge.engine.batching import check_ids, generate_batch, score_batch
+from rollout_bridge.engine.batching import (
+    DEFAULT_MAX_NUM_SEQS,
+    GenerateBatch,
+    check_ids,
+    generate_batch,
+    row_chunks,
+    score_batch,
+)
 from rollout_bridge.engine.programs import generate_rows, score_logprobs, score_ranks
 from rollout_bridge.export import export_weights
 from rollout_bridge.weights.reader import load_export
@@ -89,8 +96,12 @@ class EmbeddedBackend(RolloutBackend):
       export_format: the format `push_weights` exports ("fp32" | "bf16" | "fp8" | "fp8_fp32",
         `rollout_bridge.export`). Default: "fp8" (block-FP8 checkpoint format, what a GPU vLLM
         FP8 server receives) for a block-FP8 recipe, "fp32" for any other recipe.
+      max_num_seqs: the most sequences one jitted call decodes or scores (vLLM's
+        `--max-num-seqs`); larger calls run in chunks of it, so the KV cache holds at most
+        max_num_seqs x (bucketed prompt + new tokens) entries whatever a call asks.
 
-    Thread-safe: one lock serialises generate / score / push (the HTTP server runs threads).
+    Thread-safe: one lock serialises the jitted calls and installs (the HTTP server runs
+    threads); it is taken per chunk, so concurrent calls take turns chunk by chunk.
     """
 
     def __init__(
@@ -105,7 +116,10 @@ class EmbeddedBackend(RolloutBackend):
         weight_version: str = "default",
         export_root: str | Path | None = None,
         export_format: str | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
     ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"EmbeddedBackend: max_num_seqs={max_num_seqs} must be >= 1")
         self.cfg = cfg
         self.graphdef = graphdef
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -122,6 +136,7 @@ class EmbeddedBackend(RolloutBackend):
         self.params = None if params is None else jax.tree.map(jnp.copy, params)
         self.eos_id = eos_id
         self.max_len = int(max_len or cfg.max_position_embeddings)
+        self.max_num_seqs = int(max_num_seqs)
         # The engine loads an export right after writing it, so one version on disk is enough;
         # a private default folder under shared memory is removed by close().
         self._owns_root = export_root is None
@@ -161,8 +176,13 @@ class EmbeddedBackend(RolloutBackend):
         *,
         seed_indices: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """All prompts x n samples in one jitted loop; completions prompt-major. Sample j of
-        prompt i is keyed by (seed, seed_indices[i], j) (default seed index: i)."""
+        """All prompts x n samples, completions prompt-major, decoded in chunks of at most
+        `max_num_seqs` rows, one jitted loop each (`batching.row_chunks`): row r of the call is
+        sample r % n of prompt r // n, and chunk c decodes rows [c * max_num_seqs, (c + 1) *
+        max_num_seqs). Sample j of prompt i is keyed by (seed, seed_indices[i], j) (default
+        seed index: i) whatever chunk it lands in, so a call that fits one chunk is exactly the
+        unchunked decode, and a larger one samples the same tokens (logprobs equal up to the
+        float rounding of another batch shape). A seedless call draws one seed for all chunks."""
         sp = sampling
         self._check_weights()
         prompts = [tuple(int(t) for t in p) for p in prompts]
@@ -183,11 +203,26 @@ class EmbeddedBackend(RolloutBackend):
                     f"max_len={self.max_len}; shorten it or raise max_len"
                 )
             check_ids(p, self.cfg.vocab_size, f"prompt {i}")
+        check_ids(sp.stop_token_ids, self.cfg.vocab_size, "stop_token_ids")
         stops = set(sp.stop_token_ids)
         if self.eos_id is not None and not sp.ignore_eos:
             stops.add(self.eos_id)
-        batch = generate_batch(prompts, seed_idx, sp, stops)
         seed = secrets.randbits(64) if sp.seed is None else int(sp.seed) % (1 << 64)
+        out: list[Completion] = []
+        for rows in row_chunks(len(prompts) * sp.n, self.max_num_seqs):
+            batch = generate_batch(prompts, seed_idx, sp, stops, rows)
+            out += self._decode(prompts, batch, sp, seed, stops)
+        return out
+
+    def _decode(
+        self,
+        prompts: list[tuple[int, ...]],
+        batch: GenerateBatch,
+        sp: SamplingParams,
+        seed: int,
+        stops: set[int],
+    ) -> list[Completion]:
+        """One chunk's jitted decode (`programs.generate_rows`) -> its completions."""
         b = batch.prompt.shape[0]
         keys = smp.row_keys(
             jnp.full((b,), seed & 0xFFFFFFFF, jnp.uint32),
@@ -204,7 +239,7 @@ class EmbeddedBackend(RolloutBackend):
                 jnp.asarray(batch.mask),
                 keys,
                 jnp.full((b,), sp.temperature, jnp.float32),
-                jnp.full((b,), sp.top_k, jnp.int32),
+                jnp.full((b,), min(sp.top_k, self.cfg.vocab_size), jnp.int32),  # >= V: off
                 jnp.full((b,), sp.top_p, jnp.float32),
                 jnp.asarray(batch.stop_ids),
                 jnp.asarray(batch.max_new),
@@ -236,44 +271,47 @@ class EmbeddedBackend(RolloutBackend):
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced logprobs under the rollout recipe, temperature 1; entry 0 = 0
-        (`models.functional.token_logprobs`, chunked over the vocabulary head)."""
-        tokens, mask, lengths = self._score_batch(sequences)
-        if not lengths:
-            return []
-        with self._lock:
-            lp = score_logprobs(
-                self.graphdef,
-                self.params,
-                jnp.asarray(tokens),
-                jnp.asarray(mask),
-                recipe=self._forward_recipe,
-            )
-            lp = np.asarray(lp)
-        return [lp[r, :n].copy() for r, n in enumerate(lengths)]
+        (`models.functional.token_logprobs`, chunked over the vocabulary head), at most
+        `max_num_seqs` sequences per jitted call."""
+        out = []
+        for tokens, mask, lengths in self._score_chunks(sequences):
+            with self._lock:
+                lp = score_logprobs(
+                    self.graphdef,
+                    self.params,
+                    jnp.asarray(tokens),
+                    jnp.asarray(mask),
+                    recipe=self._forward_recipe,
+                )
+                lp = np.asarray(lp)
+            out += [lp[r, :n].copy() for r, n in enumerate(lengths)]
+        return out
 
     def score_with_ranks(
         self, sequences: Sequence[Sequence[int]]
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """`score` plus each token's rank (1 = the argmax), as vLLM's `prompt_logprobs`.
-        Builds the [B, T, V] logits at once: meant for the server's small scoring requests."""
-        tokens, mask, lengths = self._score_batch(sequences)
-        if not lengths:
-            return []
-        with self._lock:
-            lp, rank = score_ranks(
-                self.graphdef,
-                self.params,
-                jnp.asarray(tokens),
-                jnp.asarray(mask),
-                recipe=self._forward_recipe,
-            )
-            lp, rank = np.asarray(lp), np.asarray(rank)
-        return [(lp[r, :n].copy(), rank[r, :n].copy()) for r, n in enumerate(lengths)]
+        Builds the [B, T, V] logits of a chunk (B <= max_num_seqs) at once: meant for the
+        server's small scoring requests."""
+        out = []
+        for tokens, mask, lengths in self._score_chunks(sequences):
+            with self._lock:
+                lp, rank = score_ranks(
+                    self.graphdef,
+                    self.params,
+                    jnp.asarray(tokens),
+                    jnp.asarray(mask),
+                    recipe=self._forward_recipe,
+                )
+                lp, rank = np.asarray(lp), np.asarray(rank)
+            out += [(lp[r, :n].copy(), rank[r, :n].copy()) for r, n in enumerate(lengths)]
+        return out
 
-    def _score_batch(
+    def _score_chunks(
         self, sequences: Sequence[Sequence[int]]
-    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """Right-padded, bucketed (tokens, mask) and the true lengths, after the checks."""
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, list[int]]]:
+        """Right-padded, bucketed (tokens, mask) and the true lengths of at most `max_num_seqs`
+        sequences at a time, after the checks of all of them."""
         self._check_weights()
         seqs = [tuple(int(t) for t in s) for s in sequences]
         for i, s in enumerate(seqs):
@@ -282,7 +320,8 @@ class EmbeddedBackend(RolloutBackend):
                     f"embedded: sequence {i} has {len(s)} tokens; need 1..max_len={self.max_len}"
                 )
             check_ids(s, self.cfg.vocab_size, f"sequence {i}")
-        return score_batch(seqs)
+        for rows in row_chunks(len(seqs), self.max_num_seqs):
+            yield score_batch(seqs[rows.start : rows.stop])
 
     def push_weights(self, hf_state: HFTensors, version: str) -> None:
         """Exports `hf_state` in `self.export_format` to the shared-memory export root, loads

@@ -13,6 +13,7 @@ tokens are reported as "token_id:<id>".
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,6 +38,14 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.param = param
+
+
+def invalid(message: str, param: str | None = None, value: Any = None) -> ApiError:
+    """A 400 worded as vLLM's validation errors: with `param`, the message ends in
+    "(parameter=<param>, value=<value>)" and the body's `param` names the field."""
+    if param is not None:
+        message = f"{message} (parameter={param}, value={value})"
+    return ApiError(HTTPStatus.BAD_REQUEST, message, param)
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> dict[str, Any]:
@@ -128,34 +137,72 @@ def parse_prompts(body: dict[str, Any], tokenizer: Any) -> list[list[int]]:
     return out
 
 
+def _number(body: dict[str, Any], name: str, default: Any, kind: type) -> Any:
+    """Field `name` as an int (kind int: ints, integral floats and integer strings, as
+    vLLM's pydantic models take them) or a finite float; `default` when absent or null."""
+    v = body.get(name)
+    if v is None:
+        return default
+    try:
+        if isinstance(v, bool) or not isinstance(v, int | float | str):
+            raise ValueError(v)
+        if kind is float:
+            x = float(v)
+        elif isinstance(v, float):
+            if not v.is_integer():
+                raise ValueError(v)
+            x = int(v)
+        else:
+            x = int(v)
+        if kind is float and not math.isfinite(x):
+            raise ValueError(v)
+    except (ValueError, OverflowError) as e:
+        what = "an integer" if kind is int else "a finite number"
+        raise ApiError(
+            HTTPStatus.BAD_REQUEST, f"'{name}' must be {what}, got {str(v)[:40]!r}", param=name
+        ) from e
+    return x
+
+
 def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    """The sampling fields with vLLM's defaults; refuses what the engine does not serve."""
+    """The sampling fields with vLLM's defaults and its messages for n < 1 and max_tokens < 1;
+    refuses what the engine does not serve. Limits that depend on the server (max_model_len,
+    how many sequences it holds) are `rollout_bridge.server.limits`."""
     for field in ("logprobs", "prompt_logprobs"):
         k = body.get(field)
         if k is not None and k != 0:
             raise ApiError(
                 HTTPStatus.BAD_REQUEST,
-                f"'{field}': {k} is not served by rollout_bridge.serve; use 0 (the chosen "
-                "token's logprob only)",
+                f"'{field}': {str(k)[:40]} is not served by rollout_bridge.serve; use 0 (the "
+                "chosen token's logprob only)",
             )
     if body.get("stream"):
         raise ApiError(HTTPStatus.BAD_REQUEST, "'stream': true is not supported; use false")
-    top_k = body.get("top_k")
-    n, temperature = body.get("n") or 1, body.get("temperature")
-    if n != 1 and temperature is not None and temperature < _GREEDY_EPS:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"n must be 1 when using greedy sampling, got {n}.")
+    n = _number(body, "n", 1, int)
+    max_tokens = _number(body, "max_tokens", 16, int)
+    temperature = _number(body, "temperature", 1.0, float)
+    if n < 1:
+        raise invalid(f"n must be at least 1, got {n}.")
+    if max_tokens < 1:
+        raise invalid(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    if n != 1 and temperature < _GREEDY_EPS:
+        raise invalid(f"n must be 1 when using greedy sampling, got {n}.")
+    top_k = _number(body, "top_k", -1, int)
+    if top_k < -1:
+        raise invalid(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    seed = _number(body, "seed", None, int)
     try:
         return SamplingParams(
-            n=int(body.get("n") or 1),
-            max_tokens=int(body.get("max_tokens") or 16),
-            temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
-            top_p=float(1.0 if body.get("top_p") is None else body["top_p"]),
-            top_k=-1 if top_k is None else int(top_k),
-            seed=None if body.get("seed") is None else int(body["seed"]),
+            n=n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=_number(body, "top_p", 1.0, float),
+            top_k=top_k,
+            seed=seed,
             stop_token_ids=tuple(_int_list(body.get("stop_token_ids") or [], "stop_token_ids")),
             ignore_eos=bool(body.get("ignore_eos", False)),
         )
-    except (TypeError, ValueError) as e:
+    except ValueError as e:  # SamplingParams' own checks (temperature, top_p)
         raise ApiError(HTTPStatus.BAD_REQUEST, f"bad sampling parameter: {e}") from e
 
 

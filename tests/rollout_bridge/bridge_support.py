@@ -39,6 +39,7 @@ from rollout_bridge.weights.safetensors_io import read_safetensors_header
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout under test
 SETUP_SCRIPT = ROOT / "scripts" / "setup_vllm_env.sh"
+TINY_VLLM_KEY = "tiny-vllm-key"  # the API key of the session's tiny vLLM (conftest.py)
 
 
 # -- a real vLLM ------------------------------------------------------------------------------
@@ -100,9 +101,11 @@ class VllmServer:
         max_model_len: int = 256,
         startup_timeout_s: float = 300.0,
         extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.env = dict(env or {})
         self.venv = venv or vllm_venv()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -150,6 +153,7 @@ class VllmServer:
             # install points at
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")])),
         )
+        env.update(self.env)
         env.pop("JAX_PLATFORMS", None)
         log = open(self.log_path, "w")  # noqa: SIM115 (kept open for the child's lifetime)
         self.proc = subprocess.Popen(
@@ -243,16 +247,25 @@ class ServeProcess:
     srv = ServeProcess(model_dir, log_path)   # starts it
     srv.wait_healthy()                        # polls /health; start several, then wait
     srv.url, srv.kill()                       # SIGKILL of its process group (a crash)
+    srv.memory_kib()                          # its resident memory, now and at peak
     """
 
-    def __init__(self, model_dir: Path, log: Path, *, recipe: str = "fp8_block") -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log: Path,
+        *,
+        recipe: str = "fp8_block",
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_bridge.serve", "--model", str(model_dir),
-             "--port", str(self.port), "--recipe", recipe],
+             "--port", str(self.port), "--recipe", recipe, *args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
             env=env,
         )  # fmt: skip
@@ -272,6 +285,16 @@ class ServeProcess:
 
     def log_tail(self) -> str:
         return self.log.read_text()[-3000:]
+
+    def memory_kib(self) -> dict[str, int]:
+        """The server process's VmRSS (resident now) and VmHWM (peak resident), in KiB, from
+        /proc/<pid>/status."""
+        out = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0])
+        return out
 
     def kill(self) -> None:
         """SIGKILL to its process group (idempotent): the server dies as in a crash."""

@@ -1,7 +1,8 @@
 """The rollout bridge's shared real vLLM: one server of the tiny model for the session.
 
 `tiny_vllm` serves `tiny_qwen2_vllm` (`init_model` seed 0, byte tokenizer; vLLM's CPU attention
-refuses the tiny presets' head_dim 16). The parity tests need it as it started; the client tests
+refuses the tiny presets' head_dim 16) and requires the key `TINY_VLLM_KEY` on every route but
+/health (VLLM_API_KEY with our middleware `rollout_bridge.vllm_auth.RequireApiKey`). The parity tests need it as it started; the client tests
 push other weights into it and their last test kills it, so tests marked `tiny_vllm_last` run
 after every other user of the fixture. It is launched when the package's first test starts, so
 that its start-up (one busy thread) runs beside the in-process tests before its users.
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bridge_support import VllmServer
+from bridge_support import TINY_VLLM_KEY, VllmServer
 
 from models.config import get_config
 from models.functional import init_model
@@ -52,7 +53,12 @@ def tiny_vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     cfg = get_config("tiny_qwen2_vllm")
     _, params = init_model(cfg, 0)
     model_dir = save_hf(tmp_path_factory.mktemp("tiny_vllm"), cfg, params, build_byte_tokenizer())
-    server = VllmServer(model_dir, venv=vllm_venv).launch()
+    server = VllmServer(
+        model_dir,
+        venv=vllm_venv,
+        extra_args=("--middleware", "rollout_bridge.vllm_auth.RequireApiKey"),
+        env={"VLLM_API_KEY": TINY_VLLM_KEY},
+    ).launch()
     try:
         yield server
     finally:

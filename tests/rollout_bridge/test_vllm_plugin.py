@@ -3,7 +3,8 @@
 refused exports and rollbacks, and the client's generate / score against our model.
 
 The session's tiny vLLM (`tiny_vllm`, tests/rollout_bridge/conftest.py; one start-up, shared with
-the parity tests, which run first). References are our own JAX model:
+the parity tests, which run first; it requires an API key on every route, which the client
+sends). References are our own JAX model:
 `models.functional.token_logprobs` on the same weights (fp32 compute, no FP8), which must agree
 with vLLM's logprobs to 1e-4 (docs/rollout.md section 5). The last test kills the server.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bridge_support import ROOT, flip_tensor_bit
+from bridge_support import ROOT, TINY_VLLM_KEY, flip_tensor_bit
 
 from jfp8rl.trainer.backends import push_params
 from models import fp8
@@ -85,7 +86,9 @@ def served(tiny_vllm) -> Iterator[Served]:
     graphdef, params0 = init_model(cfg, 0)
     _, params1 = init_model(cfg, 1)
     server = tiny_vllm.wait_healthy()
-    settings = ClientSettings(export_format="fp32", max_retries=2, backoff_s=0.2)
+    settings = ClientSettings(
+        export_format="fp32", max_retries=2, backoff_s=0.2, api_key=TINY_VLLM_KEY
+    )
     client = HttpBackend(server.url, settings)
     try:
         yield Served(server, client, cfg, graphdef, params0, params1)

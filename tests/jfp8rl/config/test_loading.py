@@ -102,3 +102,15 @@ def test_calibration_defaults_agree_with_the_loss_config_and_the_tiny_run() -> N
     for c in (Config().calibration, load_config(REPO / "configs" / "tiny_cpu.yaml").calibration):
         assert (c.mode, c.upper_rule, c.balance) == (want.mode, want.upper_rule, want.balance)
     assert want.mode == "hold"
+
+
+def test_api_key_is_never_written(tmp_path: Path) -> None:
+    """rollout.api_key stays out of <run_dir>/config.yaml (and checkpoints, which hold the same
+    YAML): the saved file loads back equal but for the key, which comes from the environment."""
+    cfg = load_config(None, ["rollout.backend=http", "rollout.api_key=s3cret-key"])
+    saved = save_config(cfg, tmp_path / "run")
+    assert "s3cret-key" not in saved.read_text()
+    back = load_config(saved)
+    assert back.rollout.api_key == "" and cfg.rollout.api_key == "s3cret-key"
+    back.rollout.api_key = cfg.rollout.api_key
+    assert back == cfg

@@ -232,6 +232,18 @@ def test_launcher_dry_run_prints_one_command_per_process(tmp_path: Path) -> None
         assert line.endswith(f"--coordinator n0:7000 --num-processes 3 --process-id {i}'")
         assert "rollout.backend=http" in line and "rollout.export_root=/shared/x" in line
         assert 'rollout.urls=\\[\\"http://n3:8000\\"\\,\\"http://n4:8001\\"\\]' in line
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret-key")
+    keyed = subprocess.run(
+        [str(LAUNCH), "--dry-run", "--hosts", "n0", "--vllm", "n3:8000", "--vllm-model", "/m",
+         "--api-key-file", str(key_file), "--", "--config", "c.yaml"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "s3cret-key" not in keyed  # read from the file on each host, on no command line
+    (serve,) = [line for line in keyed.splitlines() if "vllm serve /m" in line]
+    assert f"VLLM_API_KEY=$(cat {key_file})" in serve
+    assert "--middleware rollout_bridge.vllm_auth.RequireApiKey" in serve
+    assert f"JFP8RL_ROLLOUT_API_KEY=$(cat {key_file})" in keyed
     local = subprocess.run(
         [str(LAUNCH), "--dry-run", "--local", "2", "--port", "0", "--", "--config", "c.yaml"],
         capture_output=True, text=True, check=True,

@@ -77,7 +77,7 @@ def test_request_fields_token_and_parsing(canned: tuple[Canned, str]) -> None:
         200,
         {"choices": [_choice(1, [5], [-0.5], "stop"), _choice(0, [3, 4], [-1.0, -2.0])]},
     )
-    client = HttpBackend(url, ClientSettings(token="s3cret"))
+    client = HttpBackend(url, ClientSettings(api_key="s3cret"))
     comps = client.generate([[1, 2]], SamplingParams(n=2, max_tokens=2, seed=7, top_k=0))
     assert [c.response_ids.tolist() for c in comps] == [[3, 4], [5]]  # reordered by index
     np.testing.assert_array_equal(comps[0].logprobs, np.float32([-1.0, -2.0]))

@@ -16,7 +16,7 @@ from rollout_bridge.weights.reader import load_export
 
 def test_servers_share_the_settings_and_one_export(tmp_path: Path) -> None:
     fakes = [FakeServer(), FakeServer()]
-    settings = ClientSettings(token="t0k", export_format="fp32", export_root=tmp_path / "x")
+    settings = ClientSettings(api_key="t0k", export_format="fp32", export_root=tmp_path / "x")
     pool = ServerPool([f.url + "/" for f in fakes], settings, chunks_per_server=3)
     try:
         assert [s.url for s in pool.servers] == [f.url for f in fakes]

@@ -164,6 +164,29 @@ def test_seeds_reproduce_independent_of_batch(engine):
     )
 
 
+def test_chunks_sample_what_one_decode_samples(model, engine):
+    """max_num_seqs below the rows: a call runs in chunks (here 5 + 3 rows, a prompt's samples
+    split over both) and samples the tokens of the one-chunk decode; a call that fits in one
+    chunk is that decode, bit for bit. Scoring in chunks gives the same numbers too."""
+    cfg, graphdef, params, _ = model
+    small = EmbeddedBackend(
+        cfg, graphdef, params, recipe="fp8_block", eos_id=None, max_len=256, max_num_seqs=5
+    )
+    sp = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=123)
+    whole = engine.generate(PROMPTS[:2], sp)  # 8 rows <= 256: one chunk
+    chunked = small.generate(PROMPTS[:2], sp)
+    assert [c.prompt_index for c in chunked] == [c.prompt_index for c in whole] == [0] * 4 + [1] * 4
+    for x, y in zip(whole, chunked, strict=True):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    for x, y in zip(engine.generate(PROMPTS[:1], sp), small.generate(PROMPTS[:1], sp), strict=True):
+        np.testing.assert_array_equal(x.response_ids, y.response_ids)
+        np.testing.assert_array_equal(x.logprobs, y.logprobs)
+    seqs = [[1, 2, 3], [4] * 9, [5], [6, 7], [8] * 3, [9] * 5, [10] * 2]  # chunks of 5 + 2
+    for x, y in zip(engine.score(seqs), small.score(seqs), strict=True):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+
+
 def test_stop_eos_and_max_tokens(model, engine):
     cfg, graphdef, params, _ = model
     base = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0))[0]
@@ -244,6 +267,8 @@ def test_errors_name_the_problem(engine):
         engine.generate([[1] * 250], SamplingParams(max_tokens=10))
     with pytest.raises(RolloutError, match="outside"):
         engine.generate([[1, 9999]], SamplingParams(max_tokens=2))
+    with pytest.raises(RolloutError, match="stop_token_ids holds token ids"):
+        engine.generate([[1]], SamplingParams(max_tokens=2, stop_token_ids=(2**40,)))
 
 
 def test_push_weights_through_export(model, tmp_path):

@@ -48,7 +48,9 @@ def served(tmp_path_factory):
     graphdef, _ = mf.init_model(cfg, 0)
     params = from_hf_state_dict(cfg, sharp_hf_state(cfg, 1))
     engine = EmbeddedBackend(cfg, graphdef, params, recipe="fp8_block", eos_id=256, max_len=256)
-    state = ServerState(engine, model_name="tiny", token=TOKEN, tokenizer=build_byte_tokenizer())
+    state = ServerState(
+        engine, model_name="tiny", api_keys=[TOKEN], tokenizer=build_byte_tokenizer()
+    )
     server = make_server(state, "127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -58,7 +60,7 @@ def served(tmp_path_factory):
 
 
 def _client(url, root, **kw):
-    settings = ClientSettings(token=TOKEN, export_root=root, max_retries=1, backoff_s=0.05, **kw)
+    settings = ClientSettings(api_key=TOKEN, export_root=root, max_retries=1, backoff_s=0.05, **kw)
     return HttpBackend(url, settings)
 
 

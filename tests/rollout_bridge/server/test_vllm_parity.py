@@ -5,6 +5,12 @@ value types, recursively) and the same numbers: greedy token ids, finish/stop re
 prompt token ids, token strings, and logprobs to 1e-4 (our engine with the bf16 recipe and
 f32 compute is the fp32 model vLLM runs; docs/rollout.md section 5). This is what "the
 client cannot tell it from vLLM" means, checked on the wire rather than through our client.
+The admission rules answer alike too (the same status, message and field for n < 1,
+max_tokens out of range, a prompt too long; max_tokens lowered where the prompt leaves less).
+
+Both require an API key: ours with `api_keys`, the session's tiny vLLM with VLLM_API_KEY and
+our middleware `rollout_bridge.vllm_auth.RequireApiKey` (tests/rollout_bridge/conftest.py), so
+both refuse the weight routes without it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bridge_support import TINY_VLLM_KEY
 
 from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.engine.embedded import EmbeddedBackend
@@ -27,6 +34,7 @@ from rollout_bridge.server.http_server import ServerState, make_server
 pytestmark = pytest.mark.vllm
 
 TOL = 1e-4
+KEY = TINY_VLLM_KEY  # both servers' key
 PROMPTS = [[72, 101, 108, 108, 111, 32], [49, 43, 50, 61, 51, 10, 50, 43]]
 
 
@@ -38,7 +46,9 @@ def servers(tiny_vllm) -> Iterator[dict]:
     engine = EmbeddedBackend.from_hf_dir(
         model_dir, recipe="bf16", config_overrides={"compute_dtype": jnp.float32}, max_len=256
     )
-    state = ServerState(engine, model_name=str(model_dir), tokenizer=build_byte_tokenizer())
+    state = ServerState(
+        engine, model_name=str(model_dir), api_keys=[KEY], tokenizer=build_byte_tokenizer()
+    )
     ours = make_server(state)
     threading.Thread(target=ours.serve_forever, daemon=True).start()
     try:
@@ -53,11 +63,13 @@ def servers(tiny_vllm) -> Iterator[dict]:
         ours.server_close()
 
 
-def _call(url: str, path: str, body: dict | None = None) -> tuple[int, Any]:
+def _call(url: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method="GET" if body is None else "POST")
     if data is not None:
         req.add_header("Content-Type", "application/json")
+    if key is not None:
+        req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read()
@@ -101,9 +113,11 @@ def _shape_diff(ours: Any, theirs: Any, path: str = "$") -> list[str]:
     return [] if same else [f"{path}: ours {ours!r} vs vLLM {theirs!r}"]
 
 
-def _both(servers: dict, path: str, body: dict | None = None) -> tuple[Any, Any]:
-    s1, ours = _call(servers["ours"], path, body)
-    s2, theirs = _call(servers["vllm"], path, body)
+def _both(
+    servers: dict, path: str, body: dict | None = None, key: str | None = KEY
+) -> tuple[Any, Any]:
+    s1, ours = _call(servers["ours"], path, body, key)
+    s2, theirs = _call(servers["vllm"], path, body, key)
     assert s1 == s2, (path, s1, ours, s2, theirs)
     return ours, theirs
 
@@ -200,3 +214,37 @@ def test_models_weight_info_and_errors_same_shape(servers):
     assert _shape_diff(ours, theirs) == []
     for key in ("type", "param", "code"):
         assert ours["error"][key] == theirs["error"][key]
+
+
+def test_admission_errors_same(servers):
+    """vLLM's answers (status, message, field) to what it refuses; a prompt + max_tokens over
+    max_model_len (256) gets max_tokens lowered by both, to the same greedy tokens."""
+    base = {"model": servers["model"], "prompt": [PROMPTS[0]], "max_tokens": 4}
+    for change in [{"n": 0}, {"n": -3}, {"max_tokens": 0}, {"max_tokens": 300},
+                   {"prompt": [[65] * 300]}, {"prompt": [[65] * 256]}]:  # fmt: skip
+        ours, theirs = _both(servers, "/v1/completions", {**base, **change})
+        assert ours["error"] == theirs["error"], change
+    ours, theirs = _both(servers, "/v1/completions", {**base, "n": 2.5})
+    assert ours["error"]["code"] == theirs["error"]["code"] == 400  # pydantic words it its way
+    long = {**base, "prompt": [[65, 66, 67] * 83], "max_tokens": 10, "temperature": 0.0,
+            "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+    ours, theirs = _both(servers, "/v1/completions", long)
+    a, b = ours["choices"][0], theirs["choices"][0]
+    assert len(a["token_ids"]) == 256 - 249 and a["token_ids"] == b["token_ids"]
+    assert a["finish_reason"] == b["finish_reason"] == "length"
+
+
+def test_api_key_same_answers_on_every_route(servers):
+    """Without the key both answer vLLM's 401 on /v1/... and on the weight routes (vLLM's own
+    --api-key leaves those open; the middleware closes them); /health stays open."""
+    for path, body in [("/v1/completions", {"prompt": [1]}), ("/v1/models", None),
+                       ("/weight_info", None), ("/pause", {}), ("/resume", {}),
+                       ("/update_weights", {"update_info": {"path": "/tmp"}}),
+                       ("/finish_weight_update", {"weight_version": "x"})]:  # fmt: skip
+        for key in (None, "wrong"):
+            ours, theirs = _both(servers, path, body, key)
+            assert ours == theirs == {"error": "Unauthorized"}, (path, key)
+    assert _call(servers["ours"], "/health", key=None) == _call(
+        servers["vllm"], "/health", key=None
+    )
+    assert _call(servers["vllm"], "/health", key=None)[0] == 200
