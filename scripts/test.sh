@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh machine: installs everything (project venv, the cached
 # vLLM venv of docs/rollout.md section 5), lints, then runs pytest. Extra args go to pytest.
+# The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in one process).
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -11,4 +12,4 @@ if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup "$@"

@@ -32,6 +32,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (`--dist loadgroup`), every user of the server runs on one worker, in
+    # the order set below, so the session starts one server.
+    for item in items:
+        if "tiny_vllm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("tiny_vllm"))
     last = [i for i, item in enumerate(items) if item.get_closest_marker(MARK)]
     if not last:
         return
@@ -67,6 +72,8 @@ def tiny_vllm(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 @pytest.fixture(scope="package", autouse=True)
 def _launch_tiny_vllm_early(request: pytest.FixtureRequest) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a worker cannot tell whether it will run the server's users: they start it
     wanted = any("tiny_vllm" in getattr(item, "fixturenames", ()) for item in request.session.items)
     if wanted and os.environ.get("JFP8RL_SKIP_VLLM") != "1":
         try:
