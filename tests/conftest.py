@@ -9,6 +9,11 @@ same machine loads the executables instead of compiling them. An executable is k
 program, compile options and jax/XLA version, so a hit runs the very program a compile would
 give; the numbers the tests compare do not change.
 
+Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`) a test file is the
+unit of scheduling, so its module fixtures are built once; tests that share one session
+resource (a server) are grouped across files by their conftest. Files holding `slow` tests go
+first, so the long ones do not end up last on one worker while the other idles.
+
 The real-vLLM venv and the transformers reference live in the vLLM venv
 (`scripts/setup_vllm_env.sh`, Python 3.11 with torch 2.13 cpu and transformers; the project venv
 has no torch). Tests that need it never skip silently: they skip
@@ -79,6 +84,25 @@ def _use_jax_test_cache() -> None:
 
 
 _use_jax_test_cache()
+
+
+# Session fixtures of one shared process (a server): their users form one xdist group.
+SHARED_SERVERS = ("tiny_vllm",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """xdist groups (module docstring): the shared server an item uses, else its file; the
+    groups holding `slow` tests first, each keeping its order."""
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        used = [f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ())]
+        name = used[0] if used else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(name, []).append(item)
+    slow = [g for g in groups.values() if any(i.get_closest_marker("slow") for i in g)]
+    rest = [g for g in groups.values() if not any(i.get_closest_marker("slow") for i in g)]
+    items[:] = [item for group in slow + rest for item in group]
 
 
 def skip_vllm() -> bool:

@@ -32,11 +32,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (`--dist loadgroup`), every user of the server runs on one worker, in
-    # the order set below, so the session starts one server.
-    for item in items:
-        if "tiny_vllm" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("tiny_vllm"))
     last = [i for i, item in enumerate(items) if item.get_closest_marker(MARK)]
     if not last:
         return
