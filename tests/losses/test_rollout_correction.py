@@ -59,7 +59,7 @@ class ISWeightsTest(chex.TestCase, parameterized.TestCase):
         ess = ref[on].sum() ** 2 / (on.sum() * (ref[on] ** 2).sum())
         np.testing.assert_allclose(aux["rollout_corr/rollout_is_eff_sample_size"], ess, rtol=1e-5)
 
-    @chex.variants(with_jit=True, without_jit=True)
+    @chex.variants(with_jit=True)
     @parameterized.product(level=("token", "sequence"))
     def test_batch_normalisation_gives_mean_one(self, level):
         old, roll, mask = inputs(4)
@@ -71,6 +71,22 @@ class ISWeightsTest(chex.TestCase, parameterized.TestCase):
         mean = ref[on].mean() if level == "token" else ref[rows].max(-1).mean()
         np.testing.assert_allclose(w, ref / mean, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(aux["rollout_corr/rollout_is_batch_norm_factor"], mean, 1e-5)
+
+    @parameterized.product(mode=("tis", "mis"), level=("token", "sequence"))
+    def test_tis_and_mis_weights_are_the_earlier_formula_bit_for_bit(self, mode, level):
+        """The menu's extension leaves the TIS / MIS weights of existing configs as they were:
+        clamp the (summed) log-ratio, exp, then truncate or mask, times the mask."""
+        old, roll, mask = inputs(5)
+        on = mask != 0
+        log_rho = jnp.where(on, jnp.asarray(old) - jnp.asarray(roll), 0.0)
+        if level == "token":
+            rho = jnp.exp(jnp.clip(log_rho, -20.0, 20.0))
+        else:
+            seq = jnp.exp(jnp.clip(jnp.sum(log_rho, axis=-1), -20.0, 20.0))
+            rho = jnp.broadcast_to(seq[:, None], log_rho.shape)
+        want = jnp.minimum(rho, 2.0) if mode == "tis" else jnp.where(rho <= 2.0, rho, 0.0)
+        w, _ = is_weights(old, roll, mask, mode=mode, level=level, cap=2.0)
+        np.testing.assert_array_equal(w, want * mask)
 
     def test_hand_case_and_no_gradient(self):
         # rho = 0.5, 1.5, 3.0 (padding last)
