@@ -15,7 +15,8 @@ and metrics follow verl 0.9.1 (`verl/trainer/ppo/rollout_corr_helper.py`,
     batch normalisation (optional)  w / mean(w), the mean over tokens (token level) or over
                     non-empty sequences (sequence level); skipped when that mean is <= 1e-8
 
-Weights are zero on padding and carry no gradient. The IS metrics are verl's
+Weights are zero on padding and carry no gradient; an empty mask gives finite metrics (0 where
+verl would raise). The IS metrics are verl's
 (`rollout_corr/rollout_is_*`, computed before batch normalisation): mean / max / min / std,
 `eff_sample_size` (ESS = 1 / mean((w / mean w)^2) of w clamped to [0, C]), the shares of raw
 ratios above C and below the lower bound (1 / C unless IcePop gives one), per-sequence
@@ -186,7 +187,10 @@ def is_metrics(
     aux["rollout_is_std"] = jnp.where(
         jnp.sum(as_float_mask(mask)) > 1, jnp.sqrt(jnp.maximum(var, 0.0)), 0.0
     )
-    aux["rollout_is_eff_sample_size"] = 1.0 / masked_mean((wc / (mean_c + 1e-8)) ** 2, mask)
+    # 0 (not inf) when there is no token, or every weight is 0 (verl: an error, or inf).
+    aux["rollout_is_eff_sample_size"] = safe_div(
+        1.0, masked_mean((wc / (mean_c + 1e-8)) ** 2, mask)
+    )
     seq_w = row_mean(w, mask)
     every = jnp.ones(seq_w.shape, bool)
     raw_seq = row_mean(rho, mask)

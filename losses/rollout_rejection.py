@@ -23,7 +23,8 @@ modes take one upper bound.
 Metrics (prefix `rollout_corr/rollout_rs_`, as verl): per mode `<mode>_mean|max|min|std`,
 `_fraction_high|low`, `_seq_mean|std|max|min|max_deviation|fraction_high[|fraction_low]`,
 `_masked_fraction` (tokens) and `_seq_masked_fraction` (non-empty sequences); overall
-`masked_fraction` and `seq_masked_fraction` (over all sequences).
+`masked_fraction` and `seq_masked_fraction` (over all sequences). An empty mask gives finite
+metrics (0 where verl would raise).
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def rule_metrics(
     def seq_share(cond: Array) -> Array:
         return safe_div(jnp.sum(cond * v), n_seq)
 
-    seq_max = jnp.max(jnp.where(valid, sv, -jnp.inf))
-    seq_min = jnp.min(jnp.where(valid, sv, jnp.inf))
+    seq_max = jnp.where(n_seq > 0, jnp.max(jnp.where(valid, sv, -jnp.inf)), 0.0)
+    seq_min = jnp.where(n_seq > 0, jnp.min(jnp.where(valid, sv, jnp.inf)), 0.0)
     if seq is not None:  # sequence modes: over sequences
         mx, mn = seq_max, seq_min
         high, low = seq_share(sv > upper), seq_share(sv < lower) if k1 else 0.0
@@ -146,8 +147,8 @@ def rule_metrics(
         "std": jnp.where(jnp.sum(as_float_mask(mask)) > 1, jnp.sqrt(jnp.maximum(var, 0.0)), 0.0),
         "seq_mean": safe_div(jnp.sum(sv * v), n_seq),
         "seq_std": sample_std(sv, valid),
-        "seq_max": jnp.where(n_seq > 0, seq_max, 0.0),
-        "seq_min": jnp.where(n_seq > 0, seq_min, 0.0),
+        "seq_max": seq_max,
+        "seq_min": seq_min,
         "seq_max_deviation": jnp.where(n_seq > 0, jnp.max(jnp.where(valid, jnp.abs(sv), 0.0)), 0.0),
         "seq_fraction_high": seq_share(sv > upper),
     }  # fmt: skip

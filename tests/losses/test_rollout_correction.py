@@ -137,3 +137,21 @@ class MismatchTest(chex.TestCase):
             is_weights(tl, rl, mask, mode="clip")
         with self.assertRaisesRegex(ValueError, "lower"):
             is_weights(tl, rl, mask, mode="icepop", cap=2.0, lower=3.0)
+
+
+def test_empty_mask_gives_finite_metrics():
+    """A step whose groups dynamic sampling all dropped has no response token: every metric is
+    finite (verl raises there)."""
+    from losses.rollout_rejection import parse_rejection, rejection_mask
+
+    old, roll, _ = inputs(6)
+    empty = np.zeros(old.shape, np.float32)
+    for level in ("token", "sequence"):
+        w, aux = jax.jit(functools.partial(is_weights, mode="icepop", level=level, lower=0.5,
+                                           batch_normalize=True))(old, roll, empty)  # fmt: skip
+        assert np.all(np.asarray(w) == 0)
+        assert all(np.isfinite(float(v)) for v in aux.values()), aux
+    rules = parse_rejection("token_k1,seq_sum_k2,seq_max_k3", "2.0")
+    kept, aux = jax.jit(rejection_mask, static_argnums=3)(old, roll, empty, rules)
+    assert np.all(np.asarray(kept) == 0)
+    assert all(np.isfinite(float(v)) for v in aux.values()), aux
