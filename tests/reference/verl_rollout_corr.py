@@ -16,7 +16,8 @@
 # 0.9.1, the PyPI wheel verl-0.9.1-py3-none-any.whl:
 #   verl/trainer/ppo/rollout_corr_helper.py, lines 72-1011 (SAFETY_BOUND through
 #   compute_offpolicy_metrics), verbatim except that compute_rollout_correction_and_rejection_mask
-#   returns the weights tensor instead of wrapping it in verl's DataProto (marked [vendoring]);
+#   returns the weights tensor instead of wrapping it in verl's DataProto and that one comment
+#   names its docs path from verl's root (both marked [vendoring]);
 #   verl/utils/torch_functional.py: masked_sum and masked_mean, verbatim, as the namespace
 #   `verl_F` the helper calls them through.
 # Left out: the DataProto / config plumbing (compute_rollout_correction_and_add_to_batch,
