@@ -3,7 +3,9 @@
 Modules (import them directly; this package imports nothing heavy beyond jax):
     advantages          GRPO / Dr.GRPO / RLOO advantages, broadcast to tokens
     policy              clipped surrogate (PPO/GRPO/DAPO/Dr.GRPO/GSPO), dual clip, diagnostics
-    rollout_correction  TIS / MIS importance weights, trainer-vs-rollout mismatch metrics
+    rollout_correction  TIS / IcePop / MIS importance weights (verl's rollout_is), off-policy
+                        metrics
+    rollout_rejection   rejection masks from k1 / k2 / k3 divergences (verl's rollout_rs)
     kl                  k1 / k2 / k3 KL to a reference: loss term or reward penalty
     entropy             entropy bonus
     calibrated          Calibrated Clipping (CalibConfig, CalibState, calibrate, current_bounds)

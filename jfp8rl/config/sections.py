@@ -18,6 +18,8 @@ from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.data.templates import check_prompt_template
 from losses.calibrated import BALANCES, MODES, UPPER_RULES
 from losses.registry import ALGORITHMS
+from losses.rollout_correction import CORRECTION_LEVELS, CORRECTIONS
+from losses.rollout_rejection import parse_rejection
 from models.config import PRESETS
 from models.fp8 import RECIPES
 from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
@@ -240,10 +242,16 @@ class AlgorithmConfig:
     eps_high: float = 0.28
     # Dual-clip constant for A < 0 (verl's clip_ratio_c); 0 disables it.
     dual_clip: float = 3.0
-    # Rollout correction: "tis" (min(rho, C)), "mis" (rho * [rho <= C]) or "none".
+    # Rollout correction (losses.rollout_correction, verl's rollout_is), rho = pi_old / pi_rollout:
+    # "tis" min(rho, C), "icepop" 0 outside [correction_lower, C], "mis" 0 above C; C = tis_cap.
     correction: str = "tis"
     correction_level: str = "token"
     tis_cap: float = 2.0
+    correction_lower: float = 0.5
+    correction_batch_norm: bool = False  # weights / their batch mean
+    # Rejection (losses.rollout_rejection, verl's rollout_rs): modes and thresholds; "" = off.
+    rejection: str = ""
+    rejection_threshold: str = ""
     # k3 KL to the base policy as a loss term (0 disables it and the reference forward).
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -251,13 +259,21 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         check_choice("algorithm", "name", self.name, ALGORITHMS)
         check_choice("algorithm", "clip", self.clip, ("plain", "calibrated"))
-        check_choice("algorithm", "correction", self.correction, ("tis", "mis", "none"))
-        check_choice("algorithm", "correction_level", self.correction_level, ("token", "sequence"))
+        check_choice("algorithm", "correction", self.correction, CORRECTIONS)
+        check_choice("algorithm", "correction_level", self.correction_level, CORRECTION_LEVELS)
         check_positive("algorithm", "eps_low", self.eps_low)
         check_positive("algorithm", "eps_high", self.eps_high)
         if self.eps_low >= 1:
             raise ConfigError(f"algorithm.eps_low={self.eps_low} must be < 1")
         check_positive("algorithm", "tis_cap", self.tis_cap)
+        if self.correction == "icepop" and not 0 < self.correction_lower <= self.tis_cap:
+            raise ConfigError(
+                f"algorithm.correction_lower={self.correction_lower} not in (0, tis_cap]"
+            )
+        try:
+            parse_rejection(self.rejection, self.rejection_threshold)
+        except ValueError as e:
+            raise ConfigError(f"algorithm.rejection / rejection_threshold: {e}") from e
         check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
         if self.name == "gspo" and self.clip == "calibrated":
             # GSPO clips sequence-level ratios (bounds ~1 +- 4e-4); Calibrated Clipping matches

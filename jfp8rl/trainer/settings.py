@@ -14,6 +14,7 @@ from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step import StepSettings, default_settings
 from losses import calibrated as cal
 from losses.registry import get_algorithm
+from losses.rollout_rejection import parse_rejection
 
 
 def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
@@ -34,6 +35,8 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
         tis_cap=a.tis_cap, group_size=cfg.rollout.n,
         micro_batch_size=cfg.train.micro_batch_size, grad_format=cfg.train.grad_format,
+        correction_lower=a.correction_lower, correction_batch_norm=a.correction_batch_norm,
+        rejection=parse_rejection(a.rejection, a.rejection_threshold),
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

@@ -6,9 +6,11 @@ config, optimizer, mesh layout) and returns jitted programs with explicit in/out
 * `prepare(params, ref_params, batch)` -> (per-sample outputs, metrics): behaviour ("old")
   logprobs of the sampled tokens under the TRAINING recipe, their entropy, (KL) the reference
   logprobs, and on calibration steps only the BF16 shadow old logprobs; group advantages;
-  rollout-correction weights (TIS/MIS); trainer-vs-rollout mismatch metrics. Response-aligned
-  [N, R]. The forwards run micro-batch by micro-batch (`lax.map`), so activations are bounded
-  by `micro_batch_size` sequences whatever the step's batch.
+  rollout-correction weights (TIS / IcePop / MIS, `losses.rollout_correction`) and, with
+  `algorithm.rejection`, the response mask with rejected tokens dropped
+  (`losses.rollout_rejection`: the update trains on that mask); off-policy metrics.
+  Response-aligned [N, R]. The forwards run micro-batch by micro-batch (`lax.map`), so
+  activations are bounded by `micro_batch_size` sequences whatever the step's batch.
 * `update(state, mb, on_policy)` -> (state, metrics): one mini-batch: gradients accumulated
   over its micro-batches inside one program (`lax.scan`), then one optax update of the FP32
   masters (skipped, state unchanged, when the loss, a gradient or a new param would not be
@@ -59,6 +61,7 @@ from jfp8rl.trainer.optimizer import OptimSettings, make_optimizer
 from losses import advantages as adv_lib
 from losses import calibrated as cal
 from losses import rollout_correction as rc
+from losses import rollout_rejection as rej
 from losses.masked import agg_denominator
 from losses.registry import Algorithm, compute_loss
 from models import functional as mf
@@ -86,11 +89,14 @@ class StepSettings(NamedTuple):
     algo: Algorithm
     calibrated: bool
     calib_cfg: cal.CalibConfig
-    correction: str  # tis | mis | none
+    correction: str  # tis | icepop | mis | none (losses.rollout_correction.CORRECTIONS)
     correction_level: str
     tis_cap: float
     group_size: int
     micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole (mini-)batch
+    correction_lower: float = 0.5  # IcePop's lower bound
+    correction_batch_norm: bool = False  # IS weights divided by their batch mean
+    rejection: tuple[rej.RejectionRule, ...] = ()  # losses.rollout_rejection.parse_rejection
 
 
 def gather_response(
@@ -203,18 +209,25 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         w, is_aux = rc.is_weights(
             old, batch["rollout_logp"], mask,
             mode=s.correction, level=s.correction_level, cap=s.tis_cap,
+            lower=s.correction_lower, batch_normalize=s.correction_batch_norm,
         )  # fmt: skip
         out = {
             "old_logp": old,
             "advantages": adv_lib.broadcast_to_tokens(adv, mask),
             "is_weights": w,
         }
+        # Rejection: the update trains on the kept tokens only (the weights, as in verl, come
+        # from the full mask).
+        kept, rs_aux = rej.rejection_mask(old, batch["rollout_logp"], mask, s.rejection)
+        if s.rejection:
+            out["response_mask"] = kept
         if calibrate:
             out["old_logp_bf16"] = jnp.where(mask != 0, f["old_bf16"], 0.0)
         if ref_params is not None:
             out["ref_logp"] = jnp.where(mask != 0, f["ref"], 0.0)
         metrics = {
             **loggable_metrics(is_aux),
+            **rs_aux,
             # Mismatch and entropy over every sampled token, including groups that dynamic
             # sampling left out of the loss.
             **rc.mismatch_metrics(old_all, batch["rollout_logp"], valid),
@@ -390,6 +403,9 @@ def default_settings(
     group_size: int,
     micro_batch_size: int = 0,
     grad_format: str = "e4m3",
+    correction_lower: float = 0.5,
+    correction_batch_norm: bool = False,
+    rejection: tuple[rej.RejectionRule, ...] = (),
 ) -> StepSettings:
     """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
     (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
@@ -404,4 +420,7 @@ def default_settings(
         tis_cap=tis_cap,
         group_size=group_size,
         micro_batch_size=micro_batch_size,
+        correction_lower=correction_lower,
+        correction_batch_norm=correction_batch_norm,
+        rejection=rejection,
     )

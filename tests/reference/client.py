@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout_bridge"))
 from bridge_support import SETUP_SCRIPT, vllm_venv  # noqa: E402  (one owner of the venv's path)
 
 SCRIPT = Path(__file__).resolve().parent / "transformers_ref.py"
+# verl's rollout-correction reference (same protocol, torch only).
+VERL_SCRIPT = Path(__file__).resolve().parent / "verl_ref.py"
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -57,19 +59,25 @@ def _read_result(tmp_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 
 def run_reference(
-    kind: str, *, arrays: dict[str, np.ndarray] | None = None, timeout_s: float = 600, **fields: Any
+    kind: str,
+    *,
+    arrays: dict[str, np.ndarray] | None = None,
+    timeout_s: float = 600,
+    script: Path = SCRIPT,
+    **fields: Any,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Runs job `kind` with JSON `fields` and .npy `arrays`; returns (meta, result arrays)."""
+    """Runs job `kind` of `script` (transformers_ref.py unless given) with JSON `fields` and
+    .npy `arrays`; returns (meta, result arrays)."""
     with tempfile.TemporaryDirectory(prefix="transformers_ref_") as tmp:
         tmp_dir = Path(tmp)
         job = _write_job(tmp_dir, kind, arrays, fields)
         proc = subprocess.run(
-            [str(reference_python()), str(SCRIPT), str(job), str(tmp_dir)],
+            [str(reference_python()), str(script), str(job), str(tmp_dir)],
             capture_output=True, text=True, timeout=timeout_s, env=ENV,
         )  # fmt: skip
         if proc.returncode != 0:
             raise RuntimeError(
-                f"transformers reference job {kind!r} failed (exit {proc.returncode}):\n"
+                f"reference job {kind!r} of {script.name} failed (exit {proc.returncode}):\n"
                 f"{proc.stderr[-4000:]}"
             )
         return _read_result(tmp_dir)

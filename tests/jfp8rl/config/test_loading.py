@@ -35,6 +35,16 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
         (["nonsense"], "nonsense"),
         (["rollout.export_hash=md5"], "rollout.export_hash"),
         (["algorithm.name=gspo", "algorithm.clip=calibrated"], "algorithm.clip"),
+        (["algorithm.correction=icepop", "algorithm.correction_lower=3"], "algorithm.correction_"),
+        (
+            ["algorithm.rejection=token_k9", "algorithm.rejection_threshold=2"],
+            "algorithm.rejection",
+        ),
+        (["algorithm.rejection=token_k1"], "algorithm.rejection"),
+        (
+            ["algorithm.rejection=seq_max_k2", "algorithm.rejection_threshold=1.0_2.0"],
+            "single upper",
+        ),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], needle: str) -> None:

@@ -208,3 +208,36 @@ def test_checkpointed_state_stays_donatable(tmp_path) -> None:
     ckpt.save(2, plain, {"step": 2})
     assert not all(donated(plain))
     ckpt.close()
+
+
+def test_prepare_applies_the_configured_correction_and_rejection(tiny) -> None:
+    """IcePop with batch normalisation and a token_k1 rejection, as the config asks: prepare's
+    weights, kept mask and metrics are those of `losses` on its old logprobs, and the arrays the
+    update reads carry the rejected mask."""
+    from types import SimpleNamespace
+
+    from jfp8rl.trainer.stages import stage_prepare
+    from losses.rollout_correction import is_weights
+    from losses.rollout_rejection import parse_rejection, rejection_mask
+
+    _, graphdef, params, _, batch = tiny
+    rules = parse_rejection("token_k1", "0.1_10.0")
+    s = _settings()._replace(
+        calibrated=False, correction="icepop", correction_lower=0.05, tis_cap=20.0,
+        correction_batch_norm=True, rejection=rules,
+    )  # fmt: skip
+    mesh = make_mesh()
+    fns = make_step_fns(graphdef, s, OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999),
+                        replicated_layout(mesh, params))  # fmt: skip
+    t = SimpleNamespace(fns=fns, ref_params=None, mesh=mesh)
+    full, mets = stage_prepare(t, {"params": params}, SimpleNamespace(**batch), False)
+    mask, roll = batch["response_mask"], batch["rollout_logp"]
+    w, is_aux = is_weights(full["old_logp"], roll, mask, mode="icepop", cap=20.0, lower=0.05,
+                           batch_normalize=True)  # fmt: skip
+    kept, rs_aux = rejection_mask(full["old_logp"], roll, mask, rules)
+    np.testing.assert_allclose(full["is_weights"], w, rtol=1e-6)
+    np.testing.assert_array_equal(full["response_mask"], kept)
+    assert 0 < kept.sum() < mask.sum()  # some tokens rejected, some kept
+    assert float(np.sum(w == 0) - np.sum(mask == 0)) > 0  # IcePop zeroed some
+    for k, v in (is_aux | rs_aux).items():
+        np.testing.assert_allclose(mets[k], float(v), rtol=1e-6, err_msg=k)

@@ -28,8 +28,9 @@ from models.hf_io import load_hf, read_safetensors
 SECTION8 = [
     "reward/mean", "reward/accuracy", "response_length/mean", "actor/entropy", "actor/pg_loss",
     "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac", "actor/clipfrac_neg_lower",
-    "actor/clipfrac_pos_upper", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/is_mean",
-    "rollout_corr/is_clipfrac", "training/rollout_probs_diff_mean",
+    "actor/clipfrac_pos_upper", "rollout_corr/kl", "rollout_corr/k3_kl",
+    "rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_ratio_fraction_high",
+    "rollout_corr/rollout_is_eff_sample_size", "training/rollout_probs_diff_mean",
     "training/rollout_probs_diff_max", "calib/lower", "calib/upper", "calib/alpha",
     "calib/p_ref", "calib/balance_fp8_plain", "calib/balance_fp8_calibrated",
     "calib/bf16_clipfrac_neg_lower", "timing/rollout_s", "timing/train_s", "timing/sync_s",
