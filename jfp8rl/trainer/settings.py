@@ -9,6 +9,7 @@ import jax
 
 from jfp8rl.config import Config, ConfigError, check_batch_split
 from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.microbatch import length_buckets
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step import StepSettings, default_settings
@@ -34,6 +35,8 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         calib_cfg=calib_cfg, correction=a.correction, correction_level=a.correction_level,
         tis_cap=a.tis_cap, group_size=cfg.rollout.n,
         micro_batch_size=cfg.train.micro_batch_size, grad_format=cfg.train.grad_format,
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        length_buckets=length_buckets(cfg.max_sequence_tokens, cfg.train.length_buckets),
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

@@ -35,6 +35,10 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
         (["nonsense"], "nonsense"),
         (["rollout.export_hash=md5"], "rollout.export_hash"),
         (["algorithm.name=gspo", "algorithm.clip=calibrated"], "algorithm.clip"),
+        (["train.max_tokens_per_micro_batch=-1"], "train.max_tokens_per_micro_batch"),
+        (["train.length_buckets=0"], "train.length_buckets"),
+        # Below one full-length sequence (data.max_prompt_tokens + rollout.max_tokens).
+        (["train.max_tokens_per_micro_batch=7"], "train.max_tokens_per_micro_batch=7 cannot"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], needle: str) -> None:
