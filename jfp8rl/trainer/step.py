@@ -397,18 +397,9 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         )
     if not s.max_tokens_per_micro_batch:
         return fns
-
-    def bounds_and_den(calib_state, logp8, logp16, mb, on_policy, calibrate):
-        den = agg_denominator(mb["response_mask"], s.algo.agg_mode)
-        return (*bounds(calib_state, logp8, logp16, mb, on_policy, calibrate), den)
-
-    def finish(state, grads, calib_state, lo, hi, caux, mb, logp, ent):
-        loss, metrics = whole_metrics(logp, ent, mb, lo, hi, caux)
-        return apply_grads(state, loss, grads, calib_state, metrics)
-
     budget = token_budget.build(
-        s.algo, s.max_tokens_per_micro_batch, s.length_buckets, s.calibrated, layout, state_sh,
-        pre_forwards=pre_forwards, micro_grads=micro_grads, bounds=bounds_and_den, finish=finish,
+        s, layout, state_sh, pre_forwards=pre_forwards, micro_grads=micro_grads, bounds=bounds,
+        whole_metrics=whole_metrics, apply_grads=apply_grads,
     )  # fmt: skip
     return dataclasses.replace(fns, token_budget=budget)
 

@@ -46,7 +46,7 @@ from jfp8rl.trainer.microbatch import (
     sequence_lengths,
     take_rows,
 )
-from losses.registry import Algorithm
+from losses.masked import agg_denominator
 from models.sharding import host_array
 
 # Mini-batch arrays a micro-batch's forward/backward reads (`ref_logp` only with a KL loss).
@@ -143,21 +143,30 @@ class TokenBudgetUpdate:
 
 
 def build(
-    algo: Algorithm,
-    budget: int,
-    buckets: tuple[int, ...],
-    calibrated: bool,
+    s: Any,
     layout: Layout,
     state_sh: Any,
     *,
     pre_forwards: Callable[..., Any],
     micro_grads: Callable[..., Any],
     bounds: Callable[..., Any],
-    finish: Callable[..., Any],
+    whole_metrics: Callable[..., Any],
+    apply_grads: Callable[..., Any],
 ) -> TokenBudgetUpdate:
-    """Jits the pieces with explicit shardings (`jfp8rl.trainer.step.make_step_fns` passes its
-    closures: the same loss, bounds and optimizer code as the fixed micro-batches)."""
+    """Jits the pieces with explicit shardings. `s`: the step's `StepSettings`; the callables
+    are `jfp8rl.trainer.step.make_step_fns`'s closures (the same loss, bounds and optimizer
+    code as the fixed micro-batches)."""
     rep, dat, param_sh = layout.replicated(), layout.batch(), layout.params()
+
+    algo = s.algo
+
+    def bounds_and_den(calib_state, logp8, logp16, mb, on_policy, calibrate):
+        den = agg_denominator(mb["response_mask"], algo.agg_mode)
+        return (*bounds(calib_state, logp8, logp16, mb, on_policy, calibrate), den)
+
+    def finish(state, grads, calib_state, lo, hi, caux, mb, logp, ent):
+        loss, metrics = whole_metrics(logp, ent, mb, lo, hi, caux)
+        return apply_grads(state, loss, grads, calib_state, metrics)
 
     def micro(params, acc, m, lo, hi, den, resp_len):
         # A micro-batch's response arrays are cut to its bucket; seq-mean-token-sum-norm must
@@ -171,11 +180,11 @@ def build(
         micro=jax.jit(micro, static_argnums=6, donate_argnums=1,
                       in_shardings=(param_sh, param_sh, dat, rep, rep, rep),
                       out_shardings=(param_sh, (dat, dat))),
-        bounds=jax.jit(bounds, static_argnums=5, out_shardings=rep),
+        bounds=jax.jit(bounds_and_den, static_argnums=5, out_shardings=rep),
         finish=jax.jit(finish, donate_argnums=0, out_shardings=(state_sh, rep)),
         zeros=jax.jit(functools.partial(jax.tree.map, jnp.zeros_like), out_shardings=param_sh),
         layout=layout,
-        budget=budget,
-        buckets=buckets,
-        calibrated=calibrated,
+        budget=s.max_tokens_per_micro_batch,
+        buckets=s.length_buckets,
+        calibrated=s.calibrated,
     )  # fmt: skip

@@ -114,6 +114,7 @@ def run_mesh(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0, f
         "q_spec": str(q.sharding.spec),
         "mu_spec": str(mu.sharding.spec),
         "q_shard_fraction": q.addressable_shards[0].data.size / q.size,
+        "micro_batches": metrics[0].get("perf/micro_batches", 1.0),  # token budget: > 1
     }
     return float(loss), grads, history[-1], metrics, facts, history
 

@@ -109,6 +109,9 @@ def test_sharded_step_matches_single_device(jobs) -> None:
         assert r["q_spec"] == r["mu_spec"] and "fsdp" in r["q_spec"], (name, r)
         shards = 8 // (2 if "data2" in name else 1)
         assert r["q_shard_fraction"] == 1 / shards, (name, r)
+    # Token budget: 16 sequences of 3 to 9 tokens over 8 ranks, buckets 5 and 9: >= 2 micro-
+    # batches of unequal shapes (1 row of 9 or 2 rows of 5 tokens per rank).
+    assert report["bf16+budget:data2_fsdp4"]["micro_batches"] >= 2
 
 
 @pytest.mark.slow
