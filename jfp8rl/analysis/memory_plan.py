@@ -15,6 +15,9 @@ Programs planned: with Calibrated Clipping, the calibrating `prepare` and `updat
 of the plain ones: they add the BF16 shadow forwards); without it, the plain ones.
 `prepare` sees the whole step batch (data.batch_size x rollout.n sequences, run micro-batch by
 micro-batch), `update` one mini-batch. tokens = data.max_prompt_tokens + rollout.max_tokens.
+With token-budget micro-batches (`train.max_tokens_per_micro_batch` B > 0) the update is its
+per-bucket programs instead (`token_budget_programs`), and the line says `micro_tokens=B` in
+place of `micro_batch=M`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 
 from jfp8rl.config import Config
 from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer import token_budget
 from jfp8rl.trainer.settings import build_mesh, step_settings
 from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
 from losses import calibrated as cal
@@ -72,6 +76,52 @@ def _with_sharding(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+def token_budget_programs(
+    fns: Any,
+    settings: Any,
+    state: dict[str, Any],
+    mb: dict[str, Any],
+    on_policy: Any,
+    resp_len: int,
+) -> dict[str, tuple[Any, tuple[Any, ...], int]]:
+    """The token-budget update's programs (`jfp8rl.trainer.token_budget`) at their real shapes:
+    per bucket L the micro-batch of ranks x (budget // L) rows (the calibrating no-gradient
+    forward and the forward/backward), then the whole mini-batch's bounds and finishing update.
+    The micro-batch programs do not take the optimizer state and the mini-batch, which stay on
+    the device meanwhile: their bytes are added to those programs' peaks as `resident`."""
+    tb, layout = fns.token_budget, fns.layout
+    dat, rep = layout.batch(), layout.replicated()
+    ranks = mesh_lib.batch_size_divisor(layout.mesh)
+    calibrate = settings.calibrated
+    resident = bytes_per_device(state["opt_state"]) + bytes_per_device(mb)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+    grads = state["params"]  # the accumulator: f32, in the params' sharding
+    out: dict[str, tuple[Any, tuple[Any, ...], int]] = {}
+    for length in settings.length_buckets:
+        rows = ranks * (settings.max_tokens_per_micro_batch // length)
+        width = {"tokens": length, "attention_mask": length}
+        m = {
+            k: jax.ShapeDtypeStruct((rows, *((width.get(k, min(length, resp_len)),)
+                                             if mb[k].ndim == 2 else ())), mb[k].dtype,
+                                    sharding=dat)
+            for k in token_budget.MICRO_INPUTS if k in mb
+        }  # fmt: skip
+        pre = {k: m[k] for k in token_budget.PRE_INPUTS}
+        if calibrate:
+            out[f"pre L={length}"] = (tb.pre, (state["params"], pre, True), resident)
+        args = (state["params"], grads, m, scalar, scalar, scalar, resp_len)
+        out[f"micro L={length}"] = (tb.micro, args, resident)
+    logp = jax.ShapeDtypeStruct(mb["response_mask"].shape, jnp.float32, sharding=dat)
+    bounds_args = (state["calib"], logp if calibrate else None, logp if calibrate else None, mb,
+                   on_policy, calibrate)  # fmt: skip
+    with fns.mesh_context():
+        calib, lo, hi, aux, _ = tb.bounds.lower(*bounds_args).out_info
+    state_bytes = bytes_per_device(state["params"]) + bytes_per_device(state["opt_state"])
+    out["bounds"] = (tb.bounds, bounds_args, state_bytes)
+    out["finish"] = (tb.finish, (state, grads, calib, lo, hi, aux, mb, logp, logp), 0)
+    return out
 
 
 def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[str, Any]:
@@ -125,14 +175,16 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
         f"{_fmt(bytes_per_device(state['opt_state']))}, total {_fmt(state_bytes)} "
         f"(12 B x params / {shards} = {_fmt(12 * n_params / shards)})"
     )
-    programs = {
-        "prepare": (fns.prepare_programs[calibrate], (state["params"], ref, batch)),
-        "update": (fns.update_programs[calibrate], (state, mb, on_policy)),
-    }
+    # name -> (jitted program, its arguments, bytes that stay on the device meanwhile)
+    programs = {"prepare": (fns.prepare_programs[calibrate], (state["params"], ref, batch), 0)}
+    if fns.token_budget is None:
+        programs["update"] = (fns.update_programs[calibrate], (state, mb, on_policy), 0)
+    else:
+        programs |= token_budget_programs(fns, settings, state, mb, on_policy, resp_len)
     kind = "calibrating" if calibrate else "plain"
     results: dict[str, dict[str, float]] = {}
     compile_s = 0.0
-    for name, (fn, args) in programs.items():
+    for name, (fn, args, resident) in programs.items():
         log(f"compiling {name} ({kind}) ...")
         t0, c0 = time.perf_counter(), time.process_time()
         with fns.mesh_context():
@@ -146,21 +198,24 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
             "outputs": ma.output_size_in_bytes,
             "temporaries": ma.temp_size_in_bytes,
             "aliased": ma.alias_size_in_bytes,
+            "resident": resident,
         }
-        r["peak"] = r["arguments"] + r["outputs"] + r["temporaries"] - r["aliased"]
+        r["peak"] = r["arguments"] + r["outputs"] + r["temporaries"] - r["aliased"] + resident
         r["compile_s"], r["compile_cpu_s"] = dt, cpu
         results[name] = r
         log(
             f"  {name} ({kind}) per device: arguments {_fmt(r['arguments'])}, outputs "
             f"{_fmt(r['outputs'])}, temporaries {_fmt(r['temporaries'])}, aliased "
-            f"{_fmt(r['aliased'])} -> peak {_fmt(r['peak'])}; compiled in {dt:.1f} s "
+            f"{_fmt(r['aliased'])}{f', resident {_fmt(resident)}' if resident else ''} -> peak {_fmt(r['peak'])}; compiled in {dt:.1f} s "
             f"({cpu:.1f} s CPU)"
         )
     peak = max(r["peak"] for r in results.values())
-    micro = cfg.train.micro_batch_size or cfg.mini_batch_size
+    micro = f"micro_batch={cfg.train.micro_batch_size or cfg.mini_batch_size}"
+    if fns.token_budget is not None:
+        micro = f"micro_tokens={settings.max_tokens_per_micro_batch}"
     line = (
         f"plan: {m.preset} mesh data={shape['data']} fsdp={shape['fsdp']} "
-        f"tensor={shape['tensor']} micro_batch={micro} tokens={prompt_len + resp_len}: "
+        f"tensor={shape['tensor']} {micro} tokens={prompt_len + resp_len}: "
         f"per-device peak {peak / GIB:.1f} GiB (state {state_bytes / GIB:.1f} GiB), "
         f"compiled in {compile_s:.0f} s"
     )

@@ -53,9 +53,21 @@ class Config:
                 f"train.mini_batches={self.train.mini_batches} must divide "
                 f"data.batch_size * rollout.n = {samples}"
             )
+        budget, seq_len = self.train.max_tokens_per_micro_batch, self.max_sequence_tokens
+        if budget and budget < seq_len:
+            raise ConfigError(
+                f"train.max_tokens_per_micro_batch={budget} cannot hold one full-length sequence "
+                f"of data.max_prompt_tokens + rollout.max_tokens = {seq_len} tokens; set it to "
+                f">= {seq_len} (or 0: fixed micro-batches)"
+            )
         m = self.train.mesh
         if -1 not in (m.data, m.fsdp):
             check_batch_split(self, m.data * m.fsdp)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The padded length of every sequence: data.max_prompt_tokens + rollout.max_tokens."""
+        return self.data.max_prompt_tokens + self.rollout.max_tokens
 
     @property
     def mini_batch_size(self) -> int:

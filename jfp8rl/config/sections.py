@@ -353,6 +353,14 @@ class TrainConfig:
     # in one program, `prepare` runs micro-batch by micro-batch); 0 = the whole mini-batch.
     # Must divide the mini-batch and be a multiple of train.mesh data x fsdp.
     micro_batch_size: int = 0
+    # Token-budget micro-batches of the update (jfp8rl/trainer/token_budget.py): at most this
+    # many tokens per device per micro-batch, sequences sorted by length and each micro-batch
+    # padded only to its longest one rounded up to one of `length_buckets` lengths (T, T / 2,
+    # T / 4, ... with T = data.max_prompt_tokens + rollout.max_tokens: one compiled shape per
+    # bucket). 0 = off (fixed micro-batches of train.micro_batch_size, which `prepare` keeps
+    # using either way). Must hold one full-length sequence (>= T).
+    max_tokens_per_micro_batch: int = 0
+    length_buckets: int = 6
     seed: int = 0
     # Greedy accuracy on the eval set every `eval_every` steps (0 = only before and after).
     eval_every: int = 20
@@ -377,6 +385,10 @@ class TrainConfig:
         check_positive("train", "ppo_epochs", self.ppo_epochs)
         check_positive("train", "mini_batches", self.mini_batches)
         check_positive("train", "micro_batch_size", self.micro_batch_size, allow_zero=True)
+        check_positive(
+            "train", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, allow_zero=True
+        )
+        check_positive("train", "length_buckets", self.length_buckets)
         check_positive("train", "eval_every", self.eval_every, allow_zero=True)
         check_positive("train", "max_nonfinite", self.max_nonfinite)
 

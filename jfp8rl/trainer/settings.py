@@ -9,6 +9,7 @@ import jax
 
 from jfp8rl.config import Config, ConfigError, check_batch_split
 from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer.microbatch import length_buckets
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step import StepSettings, default_settings
@@ -37,6 +38,8 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         micro_batch_size=cfg.train.micro_batch_size, grad_format=cfg.train.grad_format,
         correction_lower=a.correction_lower, correction_batch_norm=a.correction_batch_norm,
         rejection=parse_rejection(a.rejection, a.rejection_threshold),
+        max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
+        length_buckets=length_buckets(cfg.max_sequence_tokens, cfg.train.length_buckets),
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

@@ -20,7 +20,8 @@ Calibrating and non-calibrating steps are separate executables (`calibrate` is s
 non-calibrating program holds no BF16 forward at all: the paper's two BF16 forwards (old params
 in `prepare`, current params in `update`) run on calibration steps only (docs/paper.md; every 20).
 
-Micro-batching: `jfp8rl.trainer.microbatch` (exact for every aggregation mode).
+Micro-batching: `jfp8rl.trainer.microbatch` (exact for every aggregation mode); token-budget
+micro-batches of the update: `jfp8rl.trainer.token_budget` (the same closures, run per bucket).
 
 Calibrated Clipping per mini-batch (losses.calibrated): with r8 = exp(logp8 - old8),
 r16 = exp(logp16 - old16) (same params, BF16 recipe, calibration programs only): calibrating
@@ -50,6 +51,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from jfp8rl.parallel.mesh import Layout
+from jfp8rl.trainer import token_budget
 from jfp8rl.trainer.microbatch import (
     constrain,
     map_micro,
@@ -97,6 +99,10 @@ class StepSettings(NamedTuple):
     correction_lower: float = 0.5  # IcePop's lower bound
     correction_batch_norm: bool = False  # IS weights divided by their batch mean
     rejection: tuple[rej.RejectionRule, ...] = ()  # losses.rollout_rejection.parse_rejection
+    # Token-budget micro-batches of the update (`jfp8rl.trainer.token_budget`): tokens per
+    # device per micro-batch (0 = off) and the padded lengths they may take.
+    max_tokens_per_micro_batch: int = 0
+    length_buckets: tuple[int, ...] = ()
 
 
 def gather_response(
@@ -147,6 +153,8 @@ class StepFns:
     # The pure (unjitted) gradient of one mini-batch, for tests:
     # (params, calib_state, mb, on_policy, calibrate) -> (loss, grads, calib_state, metrics).
     loss_and_grads: Callable[..., Any]
+    # The host-driven update of token-budget micro-batches (None: `update_programs` run).
+    token_budget: token_budget.TokenBudgetUpdate | None = None
 
     def mesh_context(self) -> Any:
         """Trace under this: the model reads the mesh (`jax.sharding.get_abstract_mesh`) to
@@ -163,6 +171,8 @@ class StepFns:
         self, state: dict[str, Any], mb: dict[str, Array], calibrate: bool, on_policy: bool = False
     ) -> tuple[dict[str, Any], dict[str, Array]]:
         with self.mesh_context():
+            if self.token_budget is not None:
+                return self.token_budget.update(state, mb, bool(calibrate), bool(on_policy))
             return self.update_programs[bool(calibrate)](state, mb, jnp.asarray(on_policy))
 
     def state_shardings(self, calib_state: Any) -> dict[str, Any]:
@@ -252,10 +262,11 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         return cal.current_bounds(calib_state, s.calib_cfg, r8, adv, mask, on_policy=on_policy)
 
     def loss_terms(
-        logp, ent, mb, lo, hi, denominator=None, ratio_quantiles=(0.01, 0.1, 0.5, 0.9, 0.99)
-    ):
+        logp, ent, mb, lo, hi, denominator=None, ratio_quantiles=(0.01, 0.1, 0.5, 0.9, 0.99),
+        algo=None,
+    ):  # fmt: skip
         return compute_loss(
-            s.algo, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"],
+            algo or s.algo, logp=logp, old_logp=mb["old_logp"], advantages=mb["advantages"],
             mask=mb["response_mask"], lo=lo, hi=hi, is_weights=mb["is_weights"],
             ref_logp=mb.get("ref_logp"), entropy=ent, denominator=denominator,
             ratio_quantiles=ratio_quantiles,
@@ -282,46 +293,51 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         (loss, (cs, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, grads, cs, metrics
 
+    def pre_forwards(params, m, calibrate):
+        """No-gradient logprobs of a micro-batch for the bounds: FP8, and BF16 if calibrating."""
+        sg = jax.lax.stop_gradient(params)
+        out = {"fp8": response_logprobs(graphdef, sg, m, s.train_recipe)[0]}
+        if calibrate:
+            out["bf16"] = response_logprobs(graphdef, sg, m, s.shadow_recipe)[0]
+        return out
+
+    def micro_grads(params, acc, m, lo, hi, den, algo):
+        """acc + grad(num_m / den) of one micro-batch; its (stop-gradient) logprobs, entropy."""
+        m = constrain(m, dat)
+
+        def loss_fn(p):
+            logp, ent = response_logprobs(graphdef, p, m, s.train_recipe)
+            loss, _ = loss_terms(logp, ent, m, lo, hi, den, ratio_quantiles=(), algo=algo)
+            return loss, (logp, ent)
+
+        (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        acc = jax.tree.map(jnp.add, acc, g)
+        # The accumulator lives in the params' sharding (no gathered gradient).
+        acc = jax.lax.with_sharding_constraint(acc, param_sh)
+        return acc, (jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent))
+
+    def whole_metrics(logp, ent, mb, lo, hi, caux):
+        """The logged loss and metrics from the whole mini-batch at once (no model call)."""
+        loss, aux = loss_terms(logp, ent, mb, lo, hi)
+        return loss, {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi}
+
     def grads_accumulated(params, calib_state, mb, on_policy, calibrate, k):
         """k micro-batches: bounds from a no-gradient pre-pass, then sum_j grad(num_j / D)."""
-        sg_params = jax.lax.stop_gradient(params)
         model_mb = {n: mb[n] for n in MODEL_INPUTS}
-        logp16 = None
+        pre = {}
         if s.calibrated:
-
-            def pre(m):
-                out = {"fp8": response_logprobs(graphdef, sg_params, m, s.train_recipe)[0]}
-                if calibrate:
-                    out["bf16"] = response_logprobs(graphdef, sg_params, m, s.shadow_recipe)[0]
-                return out
-
-            pre_out = map_micro(pre, model_mb, k, dat)
-            logp16 = pre_out.get("bf16")
-            cs, lo, hi, caux = bounds(calib_state, pre_out["fp8"], logp16, mb, on_policy, calibrate)
-        else:
-            cs, lo, hi, caux = bounds(calib_state, None, None, mb, on_policy, calibrate)
+            pre = map_micro(lambda m: pre_forwards(params, m, calibrate), model_mb, k, dat)
+        cs, lo, hi, caux = bounds(
+            calib_state, pre.get("fp8"), pre.get("bf16"), mb, on_policy, calibrate
+        )
         den = agg_denominator(mb["response_mask"], s.algo.agg_mode)
-
-        def micro(acc, m):
-            m = constrain(m, dat)
-
-            def loss_fn(p):
-                logp, ent = response_logprobs(graphdef, p, m, s.train_recipe)
-                loss, _ = loss_terms(logp, ent, m, lo, hi, denominator=den, ratio_quantiles=())
-                return loss, (logp, ent)
-
-            (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-            acc = jax.tree.map(jnp.add, acc, g)
-            # The accumulator lives in the params' sharding (no gathered gradient).
-            acc = jax.lax.with_sharding_constraint(acc, param_sh)
-            return acc, (jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent))
-
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_sh)
-        grads, (logp_k, ent_k) = jax.lax.scan(micro, zeros, split_micro(mb, k))
-        logp, ent = merge_micro(logp_k), merge_micro(ent_k)
-        # The logged loss and metrics from the whole mini-batch at once (no model call).
-        loss, aux = loss_terms(logp, ent, mb, lo, hi)
-        metrics = {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi}
+        grads, (logp_k, ent_k) = jax.lax.scan(
+            lambda acc, m: micro_grads(params, acc, m, lo, hi, den, s.algo),
+            zeros,
+            split_micro(mb, k),
+        )
+        loss, metrics = whole_metrics(merge_micro(logp_k), merge_micro(ent_k), mb, lo, hi, caux)
         return loss, grads, cs, metrics
 
     def loss_and_grads(params, calib_state, mb, on_policy, calibrate):
@@ -332,10 +348,14 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         return grads_accumulated(params, calib_state, mb, on_policy, calibrate, k)
 
     def update(state, mb, on_policy, *, calibrate: bool):
-        params, opt_state = state["params"], state["opt_state"]
         loss, grads, calib_state, metrics = loss_and_grads(
-            params, state["calib"], mb, on_policy, calibrate
+            state["params"], state["calib"], mb, on_policy, calibrate
         )
+        return apply_grads(state, loss, grads, calib_state, metrics)
+
+    def apply_grads(state, loss, grads, calib_state, metrics):
+        """The optimizer update from a mini-batch's gradients, skipped when not finite."""
+        params, opt_state = state["params"], state["opt_state"]
         # Global L2 norm of the gradients before clipping (optax's clip uses the same norm).
         grad_norm = optax.tree.norm(grads)
         finite = (
@@ -388,7 +408,13 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
             out_shardings=(state_sh, rep),
             donate_argnums=(0,),
         )
-    return fns
+    if not s.max_tokens_per_micro_batch:
+        return fns
+    budget = token_budget.build(
+        s, layout, state_sh, pre_forwards=pre_forwards, micro_grads=micro_grads, bounds=bounds,
+        whole_metrics=whole_metrics, apply_grads=apply_grads,
+    )  # fmt: skip
+    return dataclasses.replace(fns, token_budget=budget)
 
 
 def default_settings(
@@ -406,6 +432,8 @@ def default_settings(
     correction_lower: float = 0.5,
     correction_batch_norm: bool = False,
     rejection: tuple[rej.RejectionRule, ...] = (),
+    max_tokens_per_micro_batch: int = 0,
+    length_buckets: tuple[int, ...] = (),
 ) -> StepSettings:
     """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
     (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
@@ -423,4 +451,6 @@ def default_settings(
         correction_lower=correction_lower,
         correction_batch_norm=correction_batch_norm,
         rejection=rejection,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        length_buckets=tuple(length_buckets),
     )

@@ -4,7 +4,9 @@ relative differences (and layout facts) per mesh.
 
 Usage: python sharded_check.py <recipe>:<mesh>,<mesh>... [...]   e.g. bf16:fsdp8,data2_fsdp4
 (with XLA_FLAGS=--xla_force_host_platform_device_count=8). Calibrated Clipping is on: its
-quantiles and balance sums must stay reductions over the global batch.
+quantiles and balance sums must stay reductions over the global batch. `<recipe>+budget` runs
+the sharded meshes with token-budget micro-batches (`BUDGET`, `BUCKETS`) against the whole
+mini-batch on one device.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ OPT = OptimSettings(1e-2, 0, 0.0, 1.0, 0.9, 0.999, eps=1e-3)
 # Three calibrating updates (one compiled program; the calibration's quantile and balance are
 # the global reductions at stake; tracking mini-batches run the same solver).
 UPDATES = 3
+# Token-budget micro-batches of P + R = 9 tokens over the 8 ranks of data2_fsdp4: 1 row of
+# bucket 9 or 2 rows of bucket 5 per rank (the batch's sequences: 3 to 9 tokens).
+BUDGET, BUCKETS = 10, (5, 9)
 
 
 def rel(a, b) -> float:
@@ -47,12 +52,13 @@ def tree_rel(a, b) -> float:
     return max(rel(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-def fns_for(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0):
+def fns_for(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0, budget=0):
     mesh = make_mesh(*shape)
     algo = Algorithm(name="t", agg_mode="seq-mean-token-mean", dual_clip=3.0)
     s = default_settings(
         algo, train_recipe=recipe, calibrated=True, calib_cfg=CALIB, correction="tis",
         correction_level="token", tis_cap=2.0, group_size=4,
+        max_tokens_per_micro_batch=budget, length_buckets=BUCKETS,
     )  # fmt: skip
     return mesh, make_step_fns(graphdef, s, OPT, param_layout(mesh, cfg, params0))
 
@@ -81,20 +87,25 @@ def prepared(recipe: str, cfg, graphdef, params0, batch) -> dict[str, np.ndarray
     return full
 
 
-def run_mesh(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0, full):
-    mesh, fns = fns_for(recipe, shape, cfg, graphdef, params0)
+def run_mesh(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0, full, budget=0):
+    mesh, fns = fns_for(recipe, shape, cfg, graphdef, params0, budget)
     state = init_state(fns, params0)
     dev = put_batch(full, mesh)
     with fns.mesh_context():
-        loss, grads, _, _ = jax.jit(fns.loss_and_grads, static_argnums=4)(
-            state["params"], state["calib"], dev, jnp.asarray(False), True
-        )
+        if budget:
+            grads = fns.token_budget.accumulate(state, dev, True, False).grads
+        else:
+            loss, grads, _, _ = jax.jit(fns.loss_and_grads, static_argnums=4)(
+                state["params"], state["calib"], dev, jnp.asarray(False), True
+            )
     grads = jax.device_get(grads)
     metrics, history = [], []
     for _ in range(UPDATES):
         state, mets = fns.update(state, dev, True)
         metrics.append({k: float(v) for k, v in mets.items()})
         history.append(jax.device_get(state["params"]))
+    if budget:  # the loss logged by the first update: the one at the initial params
+        loss = metrics[0]["actor/loss"]
     # Layout facts: the big matrices are split (no device holds a whole one) and Adam's
     # moments follow their params.
     q = state["params"]["model"]["layers"]["self_attn"]["q_proj"]["kernel"][...]
@@ -103,6 +114,7 @@ def run_mesh(recipe: str, shape: tuple[int, int, int], cfg, graphdef, params0, f
         "q_spec": str(q.sharding.spec),
         "mu_spec": str(mu.sharding.spec),
         "q_shard_fraction": q.addressable_shards[0].data.size / q.size,
+        "micro_batches": metrics[0].get("perf/micro_batches", 1.0),  # token budget: > 1
     }
     return float(loss), grads, history[-1], metrics, facts, history
 
@@ -112,14 +124,17 @@ if __name__ == "__main__":
     cfg = get_config("tiny_qwen3", compute_dtype=jnp.float32, num_layers=1)
     graphdef, params0 = mf.init_model(cfg, 0)
     batch = random_batch(N, P, R, seed=7)
-    report = {}
+    report, refs = {}, {}
     for job in sys.argv[1:]:
-        recipe, names = job.split(":")
-        full = prepared(recipe, cfg, graphdef, params0, batch)
-        ref = run_mesh(recipe, (1, 1, 1), cfg, graphdef, params0, full)
+        kind, names = job.split(":")
+        recipe, budget = kind.removesuffix("+budget"), BUDGET if kind.endswith("+budget") else 0
+        if recipe not in refs:  # the whole mini-batch on one device, once per recipe
+            full = prepared(recipe, cfg, graphdef, params0, batch)
+            refs[recipe] = full, run_mesh(recipe, (1, 1, 1), cfg, graphdef, params0, full)
+        full, ref = refs[recipe]
         for name in names.split(","):
-            got = run_mesh(recipe, MESHES[name], cfg, graphdef, params0, full)
-            report[f"{recipe}:{name}"] = {
+            got = run_mesh(recipe, MESHES[name], cfg, graphdef, params0, full, budget)
+            report[f"{kind}:{name}"] = {
                 "loss": rel(got[0], ref[0]),
                 "grads": tree_rel(got[1], ref[1]),
                 "params_after_3": tree_rel(got[2], ref[2]),

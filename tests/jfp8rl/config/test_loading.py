@@ -45,6 +45,10 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
             ["algorithm.rejection=seq_max_k2", "algorithm.rejection_threshold=1.0_2.0"],
             "single upper",
         ),
+        (["train.max_tokens_per_micro_batch=-1"], "train.max_tokens_per_micro_batch"),
+        (["train.length_buckets=0"], "train.length_buckets"),
+        # Below one full-length sequence (data.max_prompt_tokens + rollout.max_tokens).
+        (["train.max_tokens_per_micro_batch=7"], "train.max_tokens_per_micro_batch=7 cannot"),
     ],
 )
 def test_config_errors_name_the_key(overrides: list[str], needle: str) -> None:

@@ -8,7 +8,9 @@ XLA_FLAGS must be set before jax starts, so the multi-device work runs in fresh 
   device; f32 compute. BF16 recipe: to 1e-5 (measured <= 1.7e-6, max relative to each leaf's
   largest entry). FP8 block recipe (measured on jax 0.11.2 CPU, all three meshes): loss and
   grads <= 8e-7, params after 3 updates 4.0e-4 (an FP8 rounding flip from f32 summation
-  order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3.
+  order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3. And the
+  BF16 recipe with token-budget micro-batches (two bucket shapes) on data=2 x fsdp=4 against
+  the whole mini-batch on one device, to the same 1e-5.
 * the trainer end to end (tiny config) on a fsdp=4 x tensor=2 mesh with 2 micro-batches per
   mini-batch: a run stopped after step 2 and resumed equals the uninterrupted run exactly,
   and its first two steps match the single-device run up to FP8 rounding flips.
@@ -84,7 +86,7 @@ def jobs(request: pytest.FixtureRequest, cache_dir: Path, tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     meshes = "fsdp8,fsdp4_tensor2,data2_fsdp4"
     check = Job(out / "check", str(SUPPORT / "sharded_check.py"), f"bf16:{meshes}",
-                "fp8_block:fsdp4_tensor2")  # fmt: skip
+                "fp8_block:fsdp4_tensor2", "bf16+budget:data2_fsdp4")  # fmt: skip
     request.getfixturevalue("base_policy_dir")  # the trainer reads it from cache_dir
     sharded = [*trainer_overrides(out, cache_dir), "train.mesh.fsdp=4", "train.mesh.tensor=2"]
     trainer = Job(out / "trainer", "-c", SCRIPT, json.dumps(sharded), str(out), str(TINY))
@@ -97,7 +99,7 @@ def jobs(request: pytest.FixtureRequest, cache_dir: Path, tmp_path_factory):
 @pytest.mark.slow
 def test_sharded_step_matches_single_device(jobs) -> None:
     report = json.loads(jobs[0].last_line())
-    assert len(report) == 4
+    assert len(report) == 5
     for name, r in report.items():
         tol_params = 1e-5 if name.startswith("bf16:") else 2e-3
         for k, tol in (("loss", 1e-5), ("grads", 1e-5), ("params_after_3", tol_params)):
@@ -107,6 +109,9 @@ def test_sharded_step_matches_single_device(jobs) -> None:
         assert r["q_spec"] == r["mu_spec"] and "fsdp" in r["q_spec"], (name, r)
         shards = 8 // (2 if "data2" in name else 1)
         assert r["q_shard_fraction"] == 1 / shards, (name, r)
+    # Token budget: 16 sequences of 3 to 9 tokens over 8 ranks, buckets 5 and 9: >= 2 micro-
+    # batches of unequal shapes (1 row of 9 or 2 rows of 5 tokens per rank).
+    assert report["bf16+budget:data2_fsdp4"]["micro_batches"] >= 2
 
 
 @pytest.mark.slow

@@ -19,6 +19,14 @@ from tiny_run import random_batch
 
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
 from jfp8rl.trainer import step as step_lib
+from jfp8rl.trainer.microbatch import (
+    length_buckets,
+    pack_token_budget,
+    padding_share,
+    scatter_rows,
+    sequence_lengths,
+    take_rows,
+)
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.step import default_settings, make_step_fns
 from losses.calibrated import CalibConfig, init_calib_state
@@ -29,6 +37,10 @@ from models.config import get_config
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 N, P, R = 8, 5, 4
 OPT = OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999)
+# Token-budget micro-batches of P + R = 9 tokens at most: a budget of 10 tokens holds 1 row of
+# bucket 9 or 2 of bucket 5 (the batch's sequences: 3 to 9 tokens).
+BUCKETS, BUDGET = (5, 9), 10
+CALIB = CalibConfig(eps_low=0.2, eps_high=0.2)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +50,17 @@ def model():
     return graphdef, params
 
 
-def _fns(graphdef, params, agg: str, micro: int, *, calibrated: bool, recipe: str = "bf16"):
+def _fns(
+    graphdef, params, agg: str, micro: int, *, calibrated: bool, recipe: str = "bf16", budget=0
+):
     algo = Algorithm(
         name="t", agg_mode=agg, use_kl_loss=True, kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0
     )
     s = default_settings(
         algo, train_recipe=recipe, calibrated=calibrated,
-        calib_cfg=CalibConfig(eps_low=0.2, eps_high=0.2), correction="tis",
+        calib_cfg=CALIB, correction="tis",
         correction_level="token", tis_cap=2.0, group_size=4, micro_batch_size=micro,
+        max_tokens_per_micro_batch=budget, length_buckets=BUCKETS,
     )  # fmt: skip
     return make_step_fns(graphdef, s, OPT, replicated_layout(make_mesh(), params))
 
@@ -73,6 +88,14 @@ def _grads(fns, params, calib, mb, calibrate):
     return fn(params, calib, put_batch(mb, make_mesh()), jnp.asarray(False), calibrate)
 
 
+def _state(fns, params):
+    return {
+        "params": params,
+        "opt_state": fns.optimizer.init(params),
+        "calib": init_calib_state(CALIB),
+    }
+
+
 def _assert_close(a, b, rtol=1e-5):
     scale = max(float(np.max(np.abs(np.asarray(b)))), 1e-30)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * scale)
@@ -83,7 +106,7 @@ def test_micro_batched_grads_equal_whole_mini_batch(model, agg: str) -> None:
     graphdef, params = model
     whole, micro = (_fns(graphdef, params, agg, m, calibrated=False) for m in (0, 2))
     mb = _mini_batch(whole, params)
-    calib = init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2))
+    calib = init_calib_state(CALIB)
     loss_w, g_w, _, met_w = _grads(whole, params, calib, mb, False)
     loss_m, g_m, _, met_m = _grads(micro, params, calib, mb, False)
     assert float(met_w["actor/pg_clipfrac"]) > 0  # the clipped branch is exercised
@@ -93,6 +116,15 @@ def test_micro_batched_grads_equal_whole_mini_batch(model, agg: str) -> None:
     # Logged metrics are global too (one recomputation on the whole mini-batch).
     for k in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ratio_q50", "actor/kl_loss"):
         _assert_close(met_m[k], met_w[k])
+    # Token-budget micro-batches: unequal shapes (buckets 5 and 9), response arrays cut to
+    # each bucket, the empty sample left out; the same grads.
+    budget = _fns(graphdef, params, agg, 0, calibrated=False, budget=BUDGET)
+    acc = budget.token_budget.accumulate(_state(budget, params), mb, False, False)
+    _, plan = budget.token_budget.plan(mb)
+    assert sorted({p.length for p in plan}) == [5, 9] and acc.micro_batches == len(plan)
+    assert 5 not in np.concatenate([p.samples for p in plan])  # the empty sample
+    for a, b in zip(jax.tree.leaves(acc.grads), jax.tree.leaves(g_w), strict=True):
+        _assert_close(a, b)
 
 
 def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
@@ -102,7 +134,7 @@ def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
     agg = "token-mean"
     whole, micro = (_fns(graphdef, params, agg, m, calibrated=True) for m in (0, 4))
     mb = _mini_batch(whole, params)
-    calib = init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2))
+    calib = init_calib_state(CALIB)
     for calibrate in (True, False):
         loss_w, g_w, cs_w, met_w = _grads(whole, params, calib, mb, calibrate)
         loss_m, g_m, cs_m, met_m = _grads(micro, params, calib, mb, calibrate)
@@ -145,7 +177,7 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     state = {
         "params": params,
         "opt_state": fns.optimizer.init(params),
-        "calib": init_calib_state(CalibConfig(eps_low=0.2, eps_high=0.2)),
+        "calib": init_calib_state(CALIB),
     }
     upd = {}
     for c in (False, True):
@@ -169,3 +201,75 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     assert n_dots(fns.prepare_programs[False], params, params, b) < n_dots(
         fns.prepare_programs[True], params, params, b
     )
+
+
+def test_token_budget_calibrated_update_equals_whole(model) -> None:
+    # The no-gradient pre-pass over the token-budget micro-batches: the calibrated bounds (on a
+    # calibrating and then a tracking mini-batch), grads and every logged metric of the update
+    # equal the whole mini-batch's.
+    graphdef, params = model
+    whole, budget = (_fns(graphdef, params, "token-mean", 0, calibrated=True, budget=b)
+                     for b in (0, BUDGET))  # fmt: skip
+    mb = _mini_batch(whole, params)
+    calib = init_calib_state(CALIB)
+    met_w = {}
+    for calibrate in (True, False):
+        _, g_w, cs_w, met_w[calibrate] = _grads(whole, params, calib, mb, calibrate)
+        state = _state(budget, params) | {"calib": calib}
+        acc = budget.token_budget.accumulate(state, mb, calibrate, False)
+        assert float(cs_w.n_calibrations) == 1
+        for f in dataclasses.fields(cs_w):
+            _assert_close(getattr(acc.calib, f.name), getattr(cs_w, f.name))
+        for a, b in zip(jax.tree.leaves(acc.grads), jax.tree.leaves(g_w), strict=True):
+            _assert_close(a, b)
+        calib = cs_w
+    # The update itself (calibrating): the metrics recomputed on the whole mini-batch.
+    copy = jax.tree.map(jnp.copy, params)
+    _, met_b = budget.update(_state(budget, copy), mb, True)
+    assert float(met_w[True]["actor/pg_clipfrac"]) > 0  # the clipped branch is exercised
+    for k in met_w[True]:
+        _assert_close(met_b[k], met_w[True][k])
+    assert 0 < met_b["perf/padding_share"] < 0.5
+
+
+def test_length_buckets() -> None:
+    assert length_buckets(16384, 6) == (512, 1024, 2048, 4096, 8192, 16384)
+    assert length_buckets(100, 3) == (32, 56, 100)  # 100, 50 -> 56, 25 -> 32 (multiples of 8)
+    assert length_buckets(9, 3) == (8, 9)  # 9 / 2 and 9 / 4 both round up to 8
+
+
+def test_pack_token_budget_hand_computed() -> None:
+    # Sorted: 16 (5), 12 (2), 9 (7), 7 (4), 5 (0), 3 (3), 2 (6); sample 1 is empty (left out).
+    # Bucket 16 holds 16 // 16 = 1 row per rank, bucket 8 two; snake order over 2 ranks.
+    lengths = np.array([5, 0, 12, 3, 7, 16, 2, 9])
+    plan = pack_token_budget(lengths, budget=16, ranks=2, buckets=(4, 8, 16))
+    assert [p.length for p in plan] == [16, 16, 8]
+    assert [p.rows.tolist() for p in plan] == [[5, 2], [7, 4], [0, -1, 3, 6]]
+    for p in plan:  # the budget per rank: rows per rank x padded length
+        assert (p.rows.size // 2) * p.length <= 16
+        assert lengths[p.samples].max() <= p.length
+    # Balance: rank 0 holds sample 0 (5 tokens), rank 1 samples 3 and 6 (3 + 2 tokens).
+    assert lengths[plan[2].rows[:2][plan[2].rows[:2] >= 0]].sum() == 5 == lengths[[3, 6]].sum()
+    # Computed 2 x 16 + 2 x 16 + 4 x 8 = 96 tokens, 54 of them real.
+    assert padding_share(plan, lengths) == pytest.approx(1 - 54 / 96)
+    with pytest.raises(ValueError, match="budget of 8 cannot hold one sequence of 16"):
+        pack_token_budget(lengths, budget=8, ranks=2, buckets=(4, 8, 16))
+
+
+def test_take_and_scatter_rows() -> None:
+    b = random_batch(4, 3, 3, seed=1)
+    assert sequence_lengths(b["attention_mask"]).tolist() == list(
+        b["prompt_lens"] + b["response_lens"]
+    )
+    plan = pack_token_budget(sequence_lengths(b["attention_mask"]), 12, 1, (4, 6))
+    for p in plan:
+        m = take_rows(b, p)
+        assert m["tokens"].shape == (p.rows.size, p.length)
+        assert m["response_mask"].shape == (p.rows.size, min(3, p.length))
+        filler = p.rows < 0
+        assert (m["response_mask"][filler] == 0).all()
+        assert (m["attention_mask"][filler].sum(axis=1) == 1).all()
+        real = p.rows[~filler]
+        np.testing.assert_array_equal(m["tokens"][~filler], b["tokens"][real, : p.length])
+    parts = [take_rows(b, p)["rollout_logp"] for p in plan]
+    np.testing.assert_array_equal(scatter_rows(plan, parts, 4, 3), b["rollout_logp"])
