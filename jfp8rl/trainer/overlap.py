@@ -24,7 +24,9 @@ starts no batch ahead. Its checkpoint thus never has a batch in flight, and the 
 with the checkpointed weights in a resumed run and in an uninterrupted one alike: a resume is
 exact. What it costs is the overlap of one step in `checkpoint.every`. A run stopped between
 checkpoints (a lost server, Ctrl-C) drops the batch in flight with the rest of its unsaved steps;
-a resume repeats them all from the checkpoint, identically.
+a resume repeats them all from the checkpoint, identically. A run that `train.max_nonfinite`
+stops saves a checkpoint at a step that may have sampled ahead; that batch is dropped too, and
+the resume samples it again with the checkpointed weights.
 
 Several trainer processes: process 0 alone runs the worker thread and talks to the backend; the
 batch reaches the others when it is taken (`share_rollout`, a collective on the main thread).

@@ -60,12 +60,10 @@ def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dic
     and `rollout/staleness` (updates since: 0 or 1)."""
     ahead = t.ahead.take(step) if t.ahead is not None else None
     if ahead is None:
-        (batch, p.position, rstats), used = (
-            share_rollout(rollout_job(t, p.position, step, step - 1)),
-            step - 1,
-        )
+        collected, used = share_rollout(rollout_job(t, p.position, step, step - 1)), step - 1
     else:
-        (batch, p.position, rstats), used = ahead
+        collected, used = ahead
+    batch, p.position, rstats = collected
     if t.ahead is not None:
         rstats = rstats | {"rollout/weight_version": float(used),
                            "rollout/staleness": float(step - 1 - used)}  # fmt: skip
@@ -85,6 +83,15 @@ def stage_start_ahead(t: Trainer, p: Progress, stop_at: int) -> None:
         return
     nxt = p.step + 1
     t.ahead.start(nxt, p.step - 1, rollout_job(t, p.position, nxt, p.step - 1))
+
+
+def stage_settle(t: Trainer) -> float:
+    """Waits until the batch sampled ahead (if any) is complete, so that the backend never
+    samples and loads new weights at once; seconds waited."""
+    t0 = time.perf_counter()
+    if t.ahead is not None:
+        t.ahead.settle()
+    return time.perf_counter() - t0
 
 
 def stage_prepare(
@@ -264,10 +271,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     upd = stage_update(t, state, full, p.step, calibrate)
     t_train = time.perf_counter() - t1
     log_memory(t.log, f"update {p.step}")
-    t2 = time.perf_counter()
-    if t.ahead is not None:
-        t.ahead.settle()  # the batch ahead completes before the backend loads new weights
-    t_settle = time.perf_counter() - t2
+    t_settle = stage_settle(t)
     t_sync = stage_sync(t, state, p.step)
     log_memory(t.log, f"sync {p.step}")
     timings = {

@@ -5,8 +5,10 @@ real `python -m rollout_bridge.serve` processes on loopback (`rollout.urls`).
   rollout dumps' `weight_version`, written by the servers); with checkpoints every 2 steps of 4,
   step 1 samples with the base policy, step 2 (sampled ahead during step 1's update) with it
   too, step 3 (after checkpoint 2, nothing ahead) with step 2's, step 4 with step 2's again:
-  `rollout/weight_version` 0, 0, 2, 2 and `rollout/staleness` 0, 1, 0, 1. Step 1 equals the
-  on-policy run's (`max_staleness: 0`) step 1 exactly, step 2 does not.
+  `rollout/weight_version` 0, 0, 2, 2 and `rollout/staleness` 0, 1, 0, 1.
+- The embedded engine, sampling ahead on the worker thread: step 1 equals the on-policy run's
+  (`max_staleness: 0`) step 1 exactly (every metric but timings, every sample); step 2 is
+  sampled with the base policy where the on-policy run samples it with step 1's weights.
 - Resume: a run stopped at its checkpoint 2 and resumed equals the uninterrupted one, every
   metric (timings aside) and every sample.
 - A server killed mid-run, while a batch may be in flight, is dropped as in an on-policy run
@@ -24,8 +26,10 @@ from pathlib import Path
 import pytest
 from tiny_run import TINY, small
 
+from jfp8rl.config import load_config
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main
+from jfp8rl.trainer.loop import run
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
 
@@ -71,7 +75,7 @@ def test_versions_staleness_and_exact_resume(
     two_servers: list[ServeProcess], base_policy_dir: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
     urls = [s.url for s in two_servers]
-    full, resumed, onpolicy = tmp_path / "full", tmp_path / "resumed", tmp_path / "onpolicy"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
     argv = _argv(full, cache_dir, base_policy_dir, urls, "rollout.max_staleness=1")
     assert main(argv) == 0
     recs = read_metrics(full)[1:]
@@ -94,15 +98,6 @@ def test_versions_staleness_and_exact_resume(
     assert [_steady(r) for r in again] == [_steady(r) for r in recs]
     for step in (1, 2, 3, 4):
         assert _dumps(resumed, step) == _dumps(full, step)
-
-    # On-policy (max_staleness 0): the same first step; step 2 samples with step 1's weights.
-    assert main([*_argv(onpolicy, cache_dir, base_policy_dir, urls), "train.stop_after=2"]) == 0
-    base = read_metrics(onpolicy)[1:]
-    assert "rollout/staleness" not in base[0]
-    assert _steady(base[0]) == {k: v for k, v in _steady(recs[0]).items()
-                                if k not in ("rollout/weight_version", "rollout/staleness")}  # fmt: skip
-    assert _dumps(onpolicy, 1) == _dumps(full, 1)
-    assert {d["weight_version"] for d in _dumps(onpolicy, 2)} == {"step-1"}
 
 
 def test_server_killed_mid_run_is_dropped_and_the_run_finishes(
@@ -134,3 +129,22 @@ def test_server_killed_mid_run_is_dropped_and_the_run_finishes(
     assert [r["rollout/weight_version"] for r in recs] == [0, 0, 1, 2]
     assert [r["rollout/staleness"] for r in recs] == [0, 1, 1, 1]
     assert _version(keep.url) == "step-4"
+
+
+def test_embedded_engine_samples_ahead_and_starts_as_on_policy(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    ahead, onpolicy = tmp_path / "ahead", tmp_path / "onpolicy"
+    common = ("train.eval_every=0", "logging.rollout_samples=16")
+    run(load_config(TINY, small(ahead, cache_dir, *common, "rollout.max_staleness=1",
+                                "train.stop_after=2")))  # fmt: skip
+    run(load_config(TINY, small(onpolicy, cache_dir, *common, "train.stop_after=2")))
+    recs, base = read_metrics(ahead)[1:], read_metrics(onpolicy)[1:]
+    assert [r["rollout/weight_version"] for r in recs] == [0, 0]
+    assert [r["rollout/staleness"] for r in recs] == [0, 1]
+    assert "rollout/staleness" not in base[0] and "timing/settle_s" not in base[0]
+    new_keys = ("rollout/weight_version", "rollout/staleness")
+    assert {k: v for k, v in _steady(recs[0]).items() if k not in new_keys} == _steady(base[0])
+    assert _dumps(ahead, 1) == _dumps(onpolicy, 1)
+    assert {d["weight_version"] for d in _dumps(ahead, 2)} == {"step-0"}
+    assert {d["weight_version"] for d in _dumps(onpolicy, 2)} == {"step-1"}
