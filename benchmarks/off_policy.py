@@ -3,8 +3,9 @@
 Two `python -m rollout_bridge.serve` processes on loopback serve the tiny default's base policy
 (`configs/tiny_cpu.yaml`, its warm-started policy built or taken from the cache); the trainer
 runs the same config over them (`rollout.urls`) for `--steps` steps at `max_staleness` 0, then
-at 1, each in a fresh run folder under `--out` and with fresh servers (so neither run inherits
-the other's pushed weights). Printed per setting:
+at 1 (`--order 0,1`; `--order 0,1,1,0` alternates, so that a machine whose load drifts weighs
+on both alike), each run in a fresh run folder under `--out` and with fresh servers (so no run
+inherits another's pushed weights). Printed per run, and the medians pooled per setting:
 
   s/step      median `timing/step_s` over steps 2..N (rollout, update, wait, weight push; the
               first step's compiles and the greedy evals are left out)
@@ -19,7 +20,7 @@ and the last line
 The trainer and both servers share this machine's cores: on a CPU the overlap saves at most
 what the cores left idle by the serial loop, much less than on separate GPUs.
 
-    .venv/bin/python benchmarks/off_policy.py [--steps 50] [--eval-every 25]
+    .venv/bin/python benchmarks/off_policy.py [--steps 50] [--eval-every 25] [--order 0,1]
         [--out /tmp/off_policy] [--extra key=value ...]
 """
 
@@ -43,15 +44,15 @@ sys.path.insert(0, str(ROOT / "tests" / "rollout_bridge"))
 from bridge_support import ServeProcess  # noqa: E402
 
 
-def one_setting(
-    staleness: int, policy: Path, out: Path, args: argparse.Namespace
+def one_run(
+    i: int, staleness: int, policy: Path, out: Path, args: argparse.Namespace
 ) -> tuple[list[dict], float]:
-    """The metrics records of one run at `staleness` over two fresh servers; its wall seconds."""
-    run_dir = out / f"staleness{staleness}"
+    """The metrics records of run `i` at `staleness` over two fresh servers; its wall seconds."""
+    run_dir = out / f"run{i}_staleness{staleness}"
     shutil.rmtree(run_dir, ignore_errors=True)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    servers = [ServeProcess(policy, logs / f"serve{staleness}_{k}.log") for k in range(2)]
+    servers = [ServeProcess(policy, logs / f"serve{i}_{k}.log") for k in range(2)]
     try:
         for s in servers:
             s.wait_healthy()
@@ -70,29 +71,40 @@ def one_setting(
             s.kill()
 
 
-def median(recs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in recs[2:] if key in r)  # steps 2..N
+def median(runs: list[list[dict]], key: str) -> float:
+    """The median of `key` over steps 2..N of `runs`."""
+    return statistics.median(r[key] for recs in runs for r in recs[2:] if key in r)
+
+
+def row(name: str, runs: list[list[dict]], wall: str, evals: str) -> str:
+    return (f"{name:>16} {median(runs, 'timing/step_s'):8.3f} "
+            f"{median(runs, 'timing/rollout_s'):9.3f} {median(runs, 'timing/train_s'):8.3f} "
+            f"{wall:>7}  {evals}")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=25)
+    ap.add_argument("--order", default="0,1", help="max_staleness of each run, in order")
     ap.add_argument("--out", type=Path, default=Path("/tmp/off_policy"))
     ap.add_argument("--extra", nargs="*", default=[], help="more config overrides")
     args = ap.parse_args()
     cfg = load_config(TINY, [f"run_dir={args.out / 'base'}", *args.extra])
     policy = Path(load_policy(cfg, log=print).path)  # the warm-started base policy (cached)
-    results = {s: one_setting(s, policy, args.out, args) for s in (0, 1)}
+    order = [int(x) for x in args.order.split(",")]
+    runs = [(s, *one_run(i, s, policy, args.out, args)) for i, s in enumerate(order)]
     print(
-        f"{'max_staleness':>13} {'s/step':>8} {'rollout_s':>9} {'train_s':>8} {'wall_s':>7}  eval"
+        f"{'max_staleness':>16} {'s/step':>8} {'rollout_s':>9} {'train_s':>8} {'wall_s':>7}  eval"
     )
-    for s, (recs, wall) in results.items():
+    for s, recs, wall in runs:
         evals = " ".join(f"{r['step']}:{r['eval/accuracy']:.3f}"
                          for r in recs if r.get("eval/accuracy") is not None)  # fmt: skip
-        print(f"{s:>13} {median(recs, 'timing/step_s'):8.3f} {median(recs, 'timing/rollout_s'):9.3f}"
-              f" {median(recs, 'timing/train_s'):8.3f} {wall:7.1f}  {evals}")  # fmt: skip
-    ratio = median(results[1][0], "timing/step_s") / median(results[0][0], "timing/step_s")
+        print(row(str(s), [recs], f"{wall:.1f}", evals))
+    pooled = {s: [recs for t, recs, _ in runs if t == s] for s in sorted(set(order))}
+    for s, group in pooled.items():
+        print(row(f"{s} (all runs)", group, "", ""))
+    ratio = median(pooled[1], "timing/step_s") / median(pooled[0], "timing/step_s")
     print(f"off_policy: s/step max_staleness=1 / max_staleness=0 = {ratio:.2f}x (< 1: faster)")
 
 
