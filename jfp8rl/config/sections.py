@@ -28,6 +28,8 @@ from rollout_bridge.weights.hashing import HASHES
 DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
 # Read for the rollout servers' API key when rollout.api_key is empty.
 API_KEY_ENV = "JFP8RL_ROLLOUT_API_KEY"
+# rollout.max_staleness values the trainer implements (jfp8rl.trainer.overlap).
+MAX_STALENESS = (0, 1)
 
 
 @dataclasses.dataclass
@@ -188,6 +190,13 @@ class RolloutConfig:
     # loss mask is zero (static shapes), and counted in `rollout/filled_groups`.
     dynamic_sampling: bool = False
     max_rounds: int = 2
+    # One-step off-policy rollout: 1 samples step k+1's batch (on the servers, or the
+    # embedded engine on its own thread) while step k updates, with the weights of step k-1;
+    # the correction (algorithm.correction) then weighs the samples by their own behaviour
+    # logprobs. 0: each step samples with the newest weights, then trains (on-policy).
+    # A step that saves a checkpoint starts no rollout ahead, so a resume is exact
+    # (jfp8rl.trainer.overlap; docs/rollout.md).
+    max_staleness: int = 0
 
     def server_urls(self) -> list[str]:
         """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
@@ -213,6 +222,7 @@ class RolloutConfig:
         check_positive("rollout", "max_retries", self.max_retries, allow_zero=True)
         check_positive("rollout", "temperature", self.temperature)
         check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
+        check_choice("rollout", "max_staleness", self.max_staleness, MAX_STALENESS)
 
 
 @dataclasses.dataclass

@@ -8,6 +8,10 @@ Each checkpoint `<step>/` holds two items and a manifest:
                   non-finite updates, the resolved config's YAML
     digests.json  the size and digest of every file (`jfp8rl.trainer.checkpoint_manifest`)
 
+No rollout batch is ever in flight at a checkpoint: with `rollout.max_staleness` 1 a step that
+saves one starts no batch ahead (`jfp8rl.trainer.overlap`), so the step after it samples with
+the checkpointed weights whether the run goes on or resumes, and a resume is exact.
+
 Saves are synchronous and atomic (orbax writes a temporary folder and renames it when
 complete, the manifest being the last file written before the rename), so a crash, a dying
 rollout server or a failed write never leaves a half-written latest checkpoint. A save that

@@ -7,7 +7,9 @@ manager, metrics sinks) and the sharded train state; then every step runs the st
 
 Determinism: prompts come from `jfp8rl.data.stream.PromptStream` at the checkpointed position,
 rollout seeds and mini-batch shuffles are derived from (train.seed, step, epoch), so a resumed
-run repeats an uninterrupted one exactly on CPU (tests/jfp8rl/trainer/test_train_e2e.py).
+run repeats an uninterrupted one exactly on CPU (tests/jfp8rl/trainer/test_train_e2e.py), also
+with one-step off-policy rollout (`rollout.max_staleness` 1, `jfp8rl.trainer.overlap`: no batch
+is in flight at a checkpoint).
 
 Failures: a rollout backend error (server gone, stale weights, malformed answer) or
 `train.max_nonfinite` steps in a row whose updates were all skipped raise `RunStopped`,
@@ -41,6 +43,7 @@ from jfp8rl.trainer.checkpoint import (
     steps_on_disk,
 )
 from jfp8rl.trainer.errors import CheckpointDamaged, RunStopped, resume_hint
+from jfp8rl.trainer.overlap import RolloutAhead
 from jfp8rl.trainer.policy import Policy, load_policy
 from jfp8rl.trainer.settings import build_mesh, rollout_settings, step_settings
 from jfp8rl.trainer.stages import (
@@ -153,6 +156,7 @@ def setup(
     # Process 0 alone talks to the backend and writes metrics (None on the others).
     t.backend = distributed.on_main(lambda: connect_backend(t, latest))  # type: ignore[assignment]
     t.metrics = open_metrics(t, p, out) if distributed.is_main() else None  # type: ignore[assignment]
+    t.ahead = RolloutAhead() if cfg.rollout.max_staleness else None
     return t, state, p, latest
 
 
@@ -221,6 +225,8 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
     try:
         run_steps(t, state, p, stop_at)
     finally:
+        if t.ahead is not None:
+            t.ahead.close()  # a batch still in flight finishes before the backend closes
         if distributed.is_main():
             t.metrics.close()
             t.backend.close()

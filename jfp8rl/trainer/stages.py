@@ -1,7 +1,9 @@
 """The stages of one RL step, each a function of its own (`train_step` runs them in order):
 
     rollout     B prompts -> n samples each (`jfp8rl.trainer.rollout.collect`: rewards, DAPO
-                dynamic sampling)
+                dynamic sampling); with `rollout.max_staleness` 1 the batch started during
+                the previous step, and the next step's batch starts on a worker thread
+                (`jfp8rl.trainer.overlap`)
     prepare     `step.prepare`: old logprobs under the training recipe (BF16 shadow on
                 calibration steps), advantages, TIS weights
     update      PPO epochs x mini-batches of `step.update` (calibrated or plain bounds, AdamW)
@@ -15,7 +17,7 @@ and `stage_export`, the final HF folder.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.backends import push_format, push_params, version
 from jfp8rl.trainer.errors import RunStopped, resume_hint
 from jfp8rl.trainer.evaluation import evaluate
+from jfp8rl.trainer.overlap import Collected
 from jfp8rl.trainer.policy import save_policy_folder
 from jfp8rl.trainer.rollout import collect, share_rollout
 from jfp8rl.trainer.state import Progress, Trainer, buffer_view
@@ -39,19 +42,56 @@ from models.hf_io import iter_hf_state
 from models.sharding import host_array
 
 
+def rollout_job(t: Trainer, position: int, step: int, weights: int) -> Callable[[], Collected]:
+    """Step `step`'s batch from data position `position`, sampled with the weights of step
+    `weights` (each completion must carry that version), as a call for process 0."""
+    seed = t.cfg.train.seed * 1_000_003 + step * 101
+    return lambda: collect(
+        t.backend, t.stream, position, t.fmt, t.verifier, t.rollout_settings,
+        seed=seed, version=version(weights),
+    )  # fmt: skip
+
+
 def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dict[str, float]]:
     """n samples for each of the step's B prompts, with rewards; advances the data position.
-    Process 0 collects; every process gets the batch arrays (`jfp8rl.trainer.rollout.share_rollout`)."""
-    seed = t.cfg.train.seed * 1_000_003 + step * 101
-
-    def collect_on_main() -> tuple[RolloutBatch, int, dict[str, float]]:
-        return collect(
-            t.backend, t.stream, p.position, t.fmt, t.verifier, t.rollout_settings,
-            seed=seed, version=version(step - 1),
-        )  # fmt: skip
-
-    batch, p.position, rstats = share_rollout(collect_on_main)
+    Process 0 collects; every process gets the batch arrays (`jfp8rl.trainer.rollout.share_rollout`).
+    With `rollout.max_staleness` 1: the batch sampled ahead during the previous step when there
+    is one, and the stats `rollout/weight_version` (the step whose weights sampled the batch)
+    and `rollout/staleness` (updates since: 0 or 1)."""
+    ahead = t.ahead.take(step) if t.ahead is not None else None
+    if ahead is None:
+        collected, used = share_rollout(rollout_job(t, p.position, step, step - 1)), step - 1
+    else:
+        collected, used = ahead
+    batch, p.position, rstats = collected
+    if t.ahead is not None:
+        rstats = rstats | {"rollout/weight_version": float(used),
+                           "rollout/staleness": float(step - 1 - used)}  # fmt: skip
     return batch, rstats
+
+
+def checkpoint_due(t: Trainer, step: int, stop_at: int) -> bool:
+    """Whether step `step` saves a checkpoint (`stage_checkpoint`, the run's last step)."""
+    return step == stop_at or step % t.cfg.checkpoint.every == 0
+
+
+def stage_start_ahead(t: Trainer, p: Progress, stop_at: int) -> None:
+    """With `rollout.max_staleness` 1: starts the next step's batch on the worker thread, with
+    the weights the backend serves now (step p.step - 1), unless this step is the last or
+    saves a checkpoint (`jfp8rl.trainer.overlap`: a checkpoint has no batch in flight)."""
+    if t.ahead is None or checkpoint_due(t, p.step, stop_at):
+        return
+    nxt = p.step + 1
+    t.ahead.start(nxt, p.step - 1, rollout_job(t, p.position, nxt, p.step - 1))
+
+
+def stage_settle(t: Trainer) -> float:
+    """Waits until the batch sampled ahead (if any) is complete, so that the backend never
+    samples and loads new weights at once; seconds waited."""
+    t0 = time.perf_counter()
+    if t.ahead is not None:
+        t.ahead.settle()
+    return time.perf_counter() - t0
 
 
 def stage_prepare(
@@ -220,6 +260,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     batch, rstats = stage_rollout(t, p, p.step)
     t_roll = time.perf_counter() - t0
     log_memory(t.log, f"rollout {p.step}")
+    stage_start_ahead(t, p, stop_at)
     t1 = time.perf_counter()
     calibrate = t.is_calibration_step(p.step)
     full, prep = stage_prepare(t, state, batch, calibrate)
@@ -230,6 +271,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     upd = stage_update(t, state, full, p.step, calibrate)
     t_train = time.perf_counter() - t1
     log_memory(t.log, f"update {p.step}")
+    t_settle = stage_settle(t)
     t_sync = stage_sync(t, state, p.step)
     log_memory(t.log, f"sync {p.step}")
     timings = {
@@ -238,6 +280,8 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
         "sync_s": t_sync,
         "step_s": time.perf_counter() - t0,
     }
+    if t.ahead is not None:
+        timings["settle_s"] = t_settle  # waiting, after the update, for the batch ahead
     stage_log(t, p, step_metrics(t, p, batch, rstats, prep, upd, timings))
     stage_checkpoint(t, state, p, force=p.step == stop_at)
     if p.nonfinite_run >= t.cfg.train.max_nonfinite:

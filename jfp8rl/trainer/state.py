@@ -17,6 +17,7 @@ from jfp8rl.data.stream import PromptStream
 from jfp8rl.data.templates import PromptFormat
 from jfp8rl.observe.metrics import MetricsLogger
 from jfp8rl.trainer.checkpoint import Checkpointer
+from jfp8rl.trainer.overlap import RolloutAhead
 from jfp8rl.trainer.policy import Policy
 from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step import StepFns, StepSettings
@@ -43,6 +44,8 @@ class Trainer:
     fmt: PromptFormat  # prompt / chat template and stop tokens (jfp8rl.data.templates)
     rollout_settings: RolloutSettings
     ref_params: Any  # the base policy (KL loss) or None
+    # The batch sampled ahead (`rollout.max_staleness` 1, jfp8rl.trainer.overlap), else None.
+    ahead: RolloutAhead | None = None
 
     @property
     def calibrated(self) -> bool:

@@ -34,6 +34,7 @@ def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
         (["calibration.range_lo=1.5"], "calibration.range_lo"),
         (["nonsense"], "nonsense"),
         (["rollout.export_hash=md5"], "rollout.export_hash"),
+        (["rollout.max_staleness=2"], r"rollout.max_staleness=2 is not one of \[0, 1\]"),
         (["algorithm.name=gspo", "algorithm.clip=calibrated"], "algorithm.clip"),
         (["algorithm.correction=icepop", "algorithm.correction_lower=3"], "algorithm.correction_"),
         (
