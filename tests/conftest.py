@@ -61,6 +61,22 @@ def _jax_test_cache() -> str:
     return str(Path.home() / ".cache" / "jfp8rl" / "jax-test-cache" / tag)
 
 
+def _use_fast_compiles() -> None:
+    """XLA:CPU's LLVM at -O0 for this process and every JAX subprocess the tests start.
+
+    Compiling is most of the suite's time, and LLVM's optimisation of the generated code is
+    about a third of that; the tiny programs run about as fast unoptimised. The HLO programs
+    are the same; only the machine code differs (at -O3 LLVM may fuse a multiply and an add
+    into one FMA), so a float may differ in its last bits from the build a user runs. The tests
+    compare against independent references with tolerances, or runs within the suite against
+    each other, never against a result of the -O3 build.
+    `JFP8RL_TEST_XLA_OPT=<0-3>` chooses another level (3 = the default build)."""
+    level = os.environ.get("JFP8RL_TEST_XLA_OPT", "0")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level={level}".strip()
+
+
 def _use_jax_test_cache() -> None:
     path = _jax_test_cache()
     if not path:
@@ -83,6 +99,7 @@ def _use_jax_test_cache() -> None:
         jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
+_use_fast_compiles()
 _use_jax_test_cache()
 
 

@@ -118,7 +118,7 @@ _SHARDED_LOAD = textwrap.dedent(
 def test_hf_load_into_shardings_and_sharded_forward_on_8_devices():
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),
     }

@@ -46,7 +46,7 @@ OVERRIDES = (
 def env(devices: int) -> dict[str, str]:
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
         PYTHONPATH=os.pathsep.join([str(REPO), str(SUPPORT)]),
     )
 

@@ -35,7 +35,7 @@ from models.hf_io import read_safetensors
 SUPPORT = Path(__file__).resolve().parents[1]  # tests/jfp8rl: sharded_check.py, tiny_run.py
 ENV8 = dict(
     os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
     PYTHONPATH=os.pathsep.join([str(SUPPORT.parents[1]), str(SUPPORT)]),
 )
 TIMING_PREFIXES = ("timing/", "throughput/")
