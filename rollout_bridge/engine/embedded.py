@@ -261,14 +261,14 @@ class EmbeddedBackend(RolloutBackend):
                 jnp.full((b,), sp.top_p, jnp.float32),
                 jnp.asarray(batch.stop_ids),
                 jnp.asarray(batch.max_new),
-                self._kv.current(self.params, prompt, mask),
+                self._kv.current(self.params, prompt, mask, batch.max_new > 0),
                 cfg=self.cfg,
                 recipe=self._forward_recipe,
                 cache_len=batch.cache_len,
                 kv_cache_dtype=self.kv_cache_dtype,
             )
             toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
-            self._kv.keep_rows(batch.prompt, batch.mask, toks, lens)
+            self._kv.keep_rows(batch.prompt, batch.mask, toks, lens, batch.max_new > 0)
         out = []
         for r in range(batch.rows):
             ids = toks[r, : lens[r]].astype(np.int32)
@@ -303,7 +303,9 @@ class EmbeddedBackend(RolloutBackend):
                     self.params,
                     tokens,
                     mask,
-                    self._kv.current(self.params, tokens, mask),
+                    self._kv.current(
+                        self.params, tokens, mask, np.arange(len(mask)) < len(lengths)
+                    ),
                     recipe=self._forward_recipe,
                     kv_cache_dtype=self.kv_cache_dtype,
                 )
@@ -326,7 +328,9 @@ class EmbeddedBackend(RolloutBackend):
                     self.params,
                     tokens,
                     mask,
-                    self._kv.current(self.params, tokens, mask),
+                    self._kv.current(
+                        self.params, tokens, mask, np.arange(len(mask)) < len(lengths)
+                    ),
                     recipe=self._forward_recipe,
                     kv_cache_dtype=self.kv_cache_dtype,
                 )

@@ -46,21 +46,30 @@ class KVCacheScales:
             return None
         return calibrate(self.graphdef, params, *self._rows, recipe=self.recipe)
 
-    def current(self, params: Any, tokens: jax.Array, mask: jax.Array) -> KVScales | None:
-        """The scales to run (tokens, mask) with, calibrated on them first when none are set."""
+    def current(
+        self, params: Any, tokens: jax.Array, mask: jax.Array, real_rows: np.ndarray
+    ) -> KVScales | None:
+        """The scales to run (tokens, mask) with, calibrated first on its `real_rows` (the
+        batch's padding rows hold a dummy token) when none are set."""
         if self.fp8 and self.scales is None:
+            mask = mask * jnp.asarray(real_rows, mask.dtype)[:, None]
             self.scales = calibrate(self.graphdef, params, tokens, mask, recipe=self.recipe)
         return self.scales
 
     def keep_rows(
-        self, prompt: np.ndarray, prompt_mask: np.ndarray, toks: np.ndarray, lens: np.ndarray
+        self,
+        prompt: np.ndarray,
+        prompt_mask: np.ndarray,
+        toks: np.ndarray,
+        lens: np.ndarray,
+        real_rows: np.ndarray,
     ) -> None:
-        """Keeps a decoded chunk's rows (left-padded prompt ++ response: real tokens
-        contiguous; batch-padding rows dropped) to calibrate the next install on."""
+        """Keeps a decoded chunk's `real_rows` (left-padded prompt ++ response: real tokens
+        contiguous) to calibrate the next install on."""
         if not self.fp8:
             return
         live = np.arange(toks.shape[1])[None, :] < lens[:, None]
         tokens = np.concatenate([prompt, np.where(live, toks, 0)], axis=1)
         mask = np.concatenate([prompt_mask, live], axis=1).astype(np.int32)
-        rows = mask.any(axis=1)
+        rows = np.asarray(real_rows, bool)
         self._rows = (jnp.asarray(tokens[rows]), jnp.asarray(mask[rows]))
