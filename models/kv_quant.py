@@ -9,7 +9,7 @@ for the keys after the q/k norm and RoPE (and the same for values with `v_scale[
 attention reads k_q * k_scale[l] back. vLLM keeps these scales as `Attention._k_scale` /
 `_k_scale_float`, loaded from a checkpoint's `model.layers.<l>.self_attn.k_scale` tensors (or
 its `kv_cache_scheme`); without them it uses 1.0. Here they are computed from the policy
-itself (`kv_scales_from_amax` of the amax over calibration tokens, `models.functional.kv_amax`),
+itself (`kv_scales_from_amax` of the amax over calibration tokens, `models.kv_calibration.kv_amax`),
 as NeMo-RL does at every weight sync: scale = amax / 448, so the largest calibrated entry maps
 to the largest E4M3 value and nothing seen in calibration saturates.
 

