@@ -8,8 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jfp8rl.config import RolloutConfig
+from jfp8rl.config import ConfigError, RolloutConfig
 from jfp8rl.trainer.backends import kv_scale_push
 from models import functional as mf
 from models.config import get_config
@@ -41,3 +42,9 @@ def test_kv_scale_push_is_amax_over_448_of_the_rollout_or_the_prompts():
     assert kv_scale_push(RolloutConfig(backend="http"), graphdef, params, None, []) == {}
     embedded = RolloutConfig(backend="embedded", kv_cache_dtype="fp8")
     assert kv_scale_push(embedded, graphdef, params, (tokens, mask), []) == {}
+
+
+def test_kv_cache_dtype_is_validated_naming_the_key():
+    assert RolloutConfig().kv_cache_dtype == "auto"
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_dtype='fp8_e5m2'.*'fp8'"):
+        RolloutConfig(kv_cache_dtype="fp8_e5m2")
