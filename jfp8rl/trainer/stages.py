@@ -115,8 +115,9 @@ def stage_sync(
     t0 = time.perf_counter()
     r = t.cfg.rollout
     seqs = None if batch is None else (batch.tokens, batch.attention_mask)
-    first = [] if batch is not None or r.kv_cache_dtype != "fp8" else t.eval_set[: r.max_num_seqs]
-    prompts = t.fmt.encode(first, t.cfg.data.max_prompt_tokens) if first else []
+    first = batch is None and r.backend == "http" and r.kv_cache_dtype == "fp8"
+    examples = t.eval_set[: r.max_num_seqs] if first else []
+    prompts = t.fmt.encode(examples, t.cfg.data.max_prompt_tokens) if examples else []
     kv = kv_scale_push(r, t.policy.graphdef, state["params"], seqs, prompts)
     push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(r), kv)
     return time.perf_counter() - t0
