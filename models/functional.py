@@ -30,9 +30,11 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from models import fp8
+from models import kv_quant as kvq
 from models.attention import causal_self_attention, reference_attention
 from models.config import ModelConfig
 from models.decoder import Decoder
+from models.kv_quant import KVScales
 
 Params = nnx.State
 # Default budget for one chunk of f32 logits in `token_logprobs_and_entropy` (B x C x V x 4 B).
@@ -62,11 +64,24 @@ def positions_from_mask(attention_mask: Int[Array, "B T"]) -> Int[Array, "B T"]:
     return jnp.maximum(jnp.cumsum(m, axis=1) - 1, 0)
 
 
-def _self_attention(cfg: ModelConfig, attention_mask: Int[Array, "B T"]):
-    """(q, k, v) -> causal self-attention of the padded batch by `cfg.attention`."""
+def self_attention(
+    cfg: ModelConfig,
+    attention_mask: Int[Array, "B T"],
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
+):
+    """(i, q, k, v) -> causal self-attention of the padded batch in layer i by `cfg.attention`,
+    over keys and values as a `kv_cache_dtype` cache holds them (`kv_quant.round_trip` with
+    layer i's scales; "auto": as computed)."""
     key_mask = attention_mask.astype(bool)
+    if kv_cache_dtype == "fp8" and kv_scales is None:
+        raise ValueError("kv_cache_dtype='fp8' needs kv_scales (models.kv_quant.KVScales)")
+    scales = kv_scales or kvq.unit_scales(cfg.num_layers)
 
-    def attend(q: Array, k: Array, v: Array) -> Array:
+    def attend(i: Array, q: Array, k: Array, v: Array) -> Array:
+        if kv_cache_dtype != "auto":
+            k = kvq.round_trip(k, scales.k[i], kv_cache_dtype)
+            v = kvq.round_trip(v, scales.v[i], kv_cache_dtype)
         return causal_self_attention(
             q, k, v, key_mask, impl=cfg.attention, chunk=cfg.attention_chunk
         )
@@ -81,15 +96,18 @@ def hidden_states(
     attention_mask: Int[Array, "B T"],
     *,
     recipe: fp8.Recipe,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
 ) -> Float[Array, "B T D"]:
     """The final-normed hidden states (compute dtype): the scanned layers with
-    `cfg.attention` self-attention and `cfg.remat` rematerialisation."""
+    `cfg.attention` self-attention and `cfg.remat` rematerialisation; keys and values are
+    read as a `kv_cache_dtype` KV cache holds them (`models.kv_quant`; "auto": unrounded)."""
     model: Decoder = nnx.merge(graphdef, params)
     cfg = model.cfg
-    attend = _self_attention(cfg, attention_mask)
+    attend = self_attention(cfg, attention_mask, kv_cache_dtype, kv_scales)
 
     def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
-        return attend(q, k, v), carry
+        return attend(i, q, k, v), carry
 
     h, _ = model.hidden_states(
         tokens,
@@ -117,9 +135,13 @@ def forward(
     attention_mask: Int[Array, "B T"],
     *,
     recipe: fp8.Recipe,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
 ) -> Float[Array, "B T V"]:
-    """f32 logits for every position; logits[:, t] predicts tokens[:, t + 1]."""
-    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe)
+    """f32 logits for every position; logits[:, t] predicts tokens[:, t + 1] (K/V read as a
+    `kv_cache_dtype` cache holds them, `hidden_states`)."""
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
     return _logits(h, _head_kernel(graphdef, params))
 
 
@@ -132,6 +154,8 @@ def token_logprobs_and_entropy(
     recipe: fp8.Recipe,
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Per-token log-probability of the given tokens and entropy of the predicting distribution.
 
@@ -146,8 +170,10 @@ def token_logprobs_and_entropy(
     rematerialised `lax.scan`, so only a few [B, chunk_size, V] f32 blocks of logits are live,
     in the forward and the backward pass (a 152k vocabulary at T = 8192 never builds [T, V]).
     `chunk_size=None` picks the largest chunk whose logits fit `LOGITS_CHUNK_BYTES`.
+    `kv_cache_dtype` / `kv_scales`: K/V read as such a KV cache holds them (`hidden_states`).
     """
-    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe)
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
     w = _head_kernel(graphdef, params)
     b, t, d = h.shape
     if chunk_size is None:
@@ -193,6 +219,8 @@ def token_logprobs(
     recipe: fp8.Recipe,
     chunk_size: int | None = None,
     temperature: float = 1.0,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
 ) -> Float[Array, "B T"]:
     """log p(tokens[:, t] | tokens[:, :t]) in f32, entry 0 = 0 (see
     `token_logprobs_and_entropy`)."""
@@ -204,6 +232,8 @@ def token_logprobs(
         recipe=recipe,
         chunk_size=chunk_size,
         temperature=temperature,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_scales=kv_scales,
     )[0]
 
 
@@ -237,10 +267,12 @@ def token_entropy(
 class KVCache(NamedTuple):
     """Static-shape decoding state (a pytree).
 
-    k, v:   [L, B, S, K, E] keys (after RoPE) and values, compute dtype; slot s = column s.
+    k, v:   [L, B, S, K, E] keys (after RoPE) and values as stored (`models.kv_quant`: the
+            compute dtype, bf16, or e4m3 codes); slot s = column s.
     mask:   [B, S] True where slot s holds a real token.
     pos:    [B] RoPE position of the next token (= real tokens so far in the row).
     index:  [] the slot the next token is written to (same for every row).
+    scales: per-layer K/V scales of an FP8 cache (ones, unused, otherwise).
     """
 
     k: Float[Array, "L B S K E"]
@@ -248,34 +280,65 @@ class KVCache(NamedTuple):
     mask: Bool[Array, "B S"]
     pos: Int[Array, " B"]
     index: Int[Array, ""]
+    scales: KVScales
 
 
 def _write_kv(
-    kv: tuple[Array, Array], layer: Array, slot: Array | int, k: Array, v: Array
+    kv: tuple[Array, Array], layer: Array, slot: Array | int, k: Array, v: Array, s: KVScales
 ) -> tuple[Array, Array]:
     """Cache (k, v) [L, B, S, K, E] with layer `layer`'s slots [slot, slot + T) set to the new
-    [B, T, K, E] keys and values. The cache is the layer scan's carry, so XLA writes in place."""
+    [B, T, K, E] keys and values as stored (`kv_quant.store` with the layer's scales). The
+    cache is the layer scan's carry, so XLA writes in place."""
     start = (layer, 0, slot, 0, 0)
     return tuple(
-        jax.lax.dynamic_update_slice(c, x[None].astype(c.dtype), start)
-        for c, x in zip(kv, (k, v), strict=True)
+        jax.lax.dynamic_update_slice(c, kvq.store(x, sc[layer], c.dtype)[None], start)
+        for c, x, sc in zip(kv, (k, v), (s.k, s.v), strict=True)
     )
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-    """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation).
+def _read_kv(kv: tuple[Array, Array], layer: Array, s: KVScales, dtype: jnp.dtype):
+    """Layer `layer`'s cached (k, v) [B, S, K, E] back in the compute dtype (`kv_quant.load`)."""
+    return tuple(
+        kvq.load(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False), sc[layer], dtype)
+        for c, sc in zip(kv, (s.k, s.v), strict=True)
+    )
+
+
+def init_cache(
+    cfg: ModelConfig,
+    batch: int,
+    max_len: int,
+    *,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
+) -> KVCache:
+    """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation),
+    stored as `kv_cache_dtype` ("auto" | "bf16" | "fp8", `models.kv_quant`); "fp8" needs the
+    per-layer `kv_scales`.
 
     Writing past `max_len` is not checked under jit (the last slot would be overwritten):
     callers size `max_len >= prompt_len + max_new_tokens`.
     """
+    dtype = kvq.storage_dtype(kv_cache_dtype, cfg.compute_dtype)
+    if kv_cache_dtype == "fp8" and kv_scales is None:
+        raise ValueError("init_cache: kv_cache_dtype='fp8' needs kv_scales (per-layer K/V scales)")
     shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, cfg.compute_dtype),
-        v=jnp.zeros(shape, cfg.compute_dtype),
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
         mask=jnp.zeros((batch, max_len), bool),
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
+        scales=kvq.unit_scales(cfg.num_layers) if kv_scales is None else kv_scales,
     )
+
+
+def _cache_format(cache: KVCache, compute_dtype: jnp.dtype) -> str:
+    """The `kv_cache_dtype` a cache was made with, from its storage dtype."""
+    for name in kvq.KV_CACHE_DTYPES:
+        if kvq.storage_dtype(name, compute_dtype) == cache.k.dtype:
+            return name
+    raise ValueError(f"KV cache of dtype {cache.k.dtype}: make it with init_cache")
 
 
 def prefill(
@@ -289,6 +352,8 @@ def prefill(
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """Runs the (left-padded) prompts, fills cache slots [0, P) and returns the f32 logits of
     the last column (the next-token distribution; the last column must be a real token).
+    The prompt attends to its keys and values as the cache stores them (as vLLM's attention
+    reads them from its cache), so an FP8 cache rounds the prompt's attention too.
 
     Starts a fresh cache: whatever `cache` held is overwritten or masked out.
     """
@@ -299,12 +364,13 @@ def prefill(
             f"prefill: prompt length {p} exceeds the cache length {cache.mask.shape[1]}; "
             "size init_cache(max_len=...) for prompt + generation"
         )
-    attend = _self_attention(model.cfg, attention_mask)
+    fmt = _cache_format(cache, model.cfg.compute_dtype)
+    attend = self_attention(model.cfg, attention_mask, fmt, cache.scales)
 
     def attend_at(
         i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
     ) -> tuple[Array, tuple[Array, Array]]:
-        return attend(q, k, v), _write_kv(kv, i, 0, k, v)
+        return attend(i, q, k, v), _write_kv(kv, i, 0, k, v, cache.scales)
 
     h, (k_all, v_all) = model.hidden_states(
         tokens,
@@ -314,7 +380,7 @@ def prefill(
         carry=(cache.k, cache.v),
     )
     mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
-    new_cache = KVCache(
+    new_cache = cache._replace(
         k=k_all,
         v=v_all,
         mask=mask,
@@ -346,10 +412,9 @@ def decode_step(
         i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
     ) -> tuple[Array, tuple[Array, Array]]:
         # Write slot `index` of layer i, then attend over that layer's whole cache ([B,H,1,S]).
-        k_all, v_all = _write_kv(kv, i, index, k, v)
-        k_i = jax.lax.dynamic_index_in_dim(k_all, i, 0, keepdims=False)
-        v_i = jax.lax.dynamic_index_in_dim(v_all, i, 0, keepdims=False)
-        return reference_attention(q, k_i, v_i, allowed), (k_all, v_all)
+        kv = _write_kv(kv, i, index, k, v, cache.scales)
+        k_i, v_i = _read_kv(kv, i, cache.scales, q.dtype)
+        return reference_attention(q, k_i, v_i, allowed), kv
 
     h, (k_all, v_all) = model.hidden_states(
         token[:, None],
@@ -358,5 +423,5 @@ def decode_step(
         fp8.make_dot_general(recipe),
         carry=(cache.k, cache.v),
     )
-    new_cache = KVCache(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
+    new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
     return _logits(h[:, 0], model.head_kernel()), new_cache

@@ -13,6 +13,9 @@ Formats (`fmt`):
   "fp8_fp32"  the same FP8 values dequantized to float32 (q * s): what a CPU server can load
               while still computing with exactly the trainer's FP8 weights.
 
+FP8 KV-cache scales (`model.layers.<l>.self_attn.k_scale` / `v_scale`,
+`rollout_bridge.weights.kv_scales`) pass through every format as f32 scalars.
+
 q and s come from `models.fp8.quantize_weight`, the quantizer the training forward uses, so
 the server holds bit-for-bit the trainer's FP8 weights. The conversions run in JAX; the bytes
 are written by `rollout_bridge.weights` (jax-free, shared with the vLLM plugin).
@@ -33,6 +36,7 @@ import numpy as np
 from models import fp8
 from rollout_bridge.backend import HFTensors
 from rollout_bridge.weights import ExportError
+from rollout_bridge.weights.kv_scales import is_kv_scale
 from rollout_bridge.weights.store import default_root, write_export
 
 ExportFormat = Literal["fp32", "bf16", "fp8", "fp8_fp32"]
@@ -97,6 +101,9 @@ def iter_rollout_format(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {EXPORT_FORMATS}")
     items = hf_state.items() if isinstance(hf_state, Mapping) else hf_state
     for name, value in items:
+        if is_kv_scale(name):  # FP8 KV-cache scales stay f32 scalars in every format
+            yield name, np.asarray(value, dtype=np.float32).reshape(())
+            continue
         if fmt == "fp32":
             yield name, np.asarray(value, dtype=np.float32)
             continue

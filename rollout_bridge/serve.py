@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from models.kv_quant import KV_CACHE_DTYPES
 from models.tokenizer import load_tokenizer
 from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
 from rollout_bridge.engine.embedded import EmbeddedBackend
@@ -79,6 +80,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--export-format", default=None, help="format of in-process pushes (default by recipe)"
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="as vLLM: fp8 stores K/V as E4M3 with per-layer scales, the pushed ones or else "
+        "recalibrated at every weight install (docs/rollout.md section 10; default auto)",
+    )
     args = parser.parse_args(argv)
     for flag in ("max_model_len", "max_num_seqs", "max_pending_seqs"):
         value = getattr(args, flag)
@@ -94,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_len=args.max_model_len,
         export_format=args.export_format,
         max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     limits = ServerLimits(max_model_len=engine.max_len, max_pending_seqs=args.max_pending_seqs)
     state = ServerState(

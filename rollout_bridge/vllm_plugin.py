@@ -43,6 +43,15 @@ session when `update_weights` raises; the route answers HTTP 500):
 Each update logs its stage times (open; verify + load), which `benchmarks/weight_sync.py`
 collects from the server log.
 
+FP8 KV-cache scales (`apply_kv_scales`): on a server started with `--kv-cache-dtype fp8`,
+every export must carry `model.layers.<l>.self_attn.k_scale` / `v_scale` (the trainer's scales
+of the pushed weights, `rollout_bridge.weights.kv_scales`); they are taken out of the stream
+given to `model.load_weights` and written into each attention layer's `_k_scale` /
+`_v_scale` (tensors and their float copies, which vLLM's attention backends read) when the
+update finishes, so a refused update leaves the old weights with their old scales. An export
+without them is refused before any byte loads on such a server (it would keep scales of older
+weights, or vLLM's uncalibrated 1.0), and one with them on a server without an FP8 cache too.
+
 CPU tied-LM-head fix (a bug of vLLM 0.32's CPU backend): each linear keeps a packed
 private copy `layer.cpu_linear`; with tied embeddings the LM head receives no tensor of its own,
 so the reload never re-packs it and logits keep the old embedding. After finalising we re-run
@@ -70,6 +79,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from rollout_bridge.weights import ExportError
+from rollout_bridge.weights.kv_scales import is_kv_scale, kv_scale_name
 from rollout_bridge.weights.reader import check_export_files, load_export, open_export
 
 ENGINE_NAME = "jfp8rl_shm"
@@ -150,6 +160,43 @@ def on_cores(cores: frozenset[int]) -> Iterator[None]:
         os.sched_setaffinity(0, own)
 
 
+def without_kv_scales(
+    tensors: Iterable[tuple[str, Any]], taken: dict[str, float]
+) -> Iterator[tuple[str, Any]]:
+    """The tensors other than FP8 KV-cache scales, which go into `taken` ({name: float})."""
+    for name, x in tensors:
+        if is_kv_scale(name):
+            taken[name] = float(x.reshape(()).item())
+        else:
+            yield name, x
+
+
+def apply_kv_scales(model: torch.nn.Module, scales: dict[str, float]) -> int:
+    """Writes pushed K/V scales into the attention layers `model.layers.<l>.self_attn.attn`
+    (`_k_scale` / `_v_scale`, their `_float` and `_cpu` copies); returns how many layers.
+    Raises ExportError naming the first layer that has none."""
+    from vllm.model_executor.layers.attention.attention import Attention  # worker only, heavy
+
+    n = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        layer = int(name.split("layers.")[1].split(".")[0])
+        values = []
+        for kind in "kv":
+            key = kv_scale_name(layer, kind)
+            if key not in scales:
+                raise ExportError(f"the pushed KV-cache scales lack {key} (attention {name})")
+            values.append(scales[key])
+        for kind, value in zip("kv", values, strict=True):
+            getattr(module, f"_{kind}_scale").fill_(value)
+            setattr(module, f"_{kind}_scale_float", value)
+            if hasattr(module, f"_{kind}_scale_cpu"):
+                getattr(module, f"_{kind}_scale_cpu").fill_(value)
+        n += 1
+    return n
+
+
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     """Loads `rollout_bridge.export` folders (`rollout_bridge.weights` format) from shared
     memory into the served model."""
@@ -164,6 +211,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._reloading = False
         self._session: list[Path] = []  # export folders loaded in the open update session
         self._served: list[Path] | None = None  # those of the last finished one (None: --model)
+        self._kv_scales: dict[str, float] = {}  # FP8 KV-cache scales of the open session
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         self._root = Path(init_info.root).resolve() if init_info.root else None
@@ -171,6 +219,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def start_weight_update(self) -> None:
         self._reloading = False
         self._session = []
+        self._kv_scales = {}
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         path = Path(update_info.path).resolve()
@@ -197,12 +246,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 )  # own parameters; the mapping goes when the last view does
             with contextlib.closing(stream):
                 self._check_quantization(path, manifest)
+                self._check_kv_scales(path, manifest)
                 overlap = self._rollback_source_ok()
                 # Without a way back, every digest is checked before a weight is touched.
                 tensors: Iterable[tuple[str, Any]] = stream if overlap else list(stream)
                 t1 = time.perf_counter()
                 self._begin_reload()
-                self.model.load_weights(tensors)
+                self.model.load_weights(without_kv_scales(tensors, self._kv_scales))
         except BaseException as e:
             if self._reloading:  # some weights of this session are in: restore the old ones
                 self._roll_back(path, e)
@@ -227,6 +277,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 f"{path} is in FP8 checkpoint format but the server runs quantization="
                 f"{served_quant!r}; start vLLM on an FP8 checkpoint (quantization_config in "
                 "config.json) or export with fmt='bf16' / 'fp8_fp32'"
+            )
+
+    def _check_kv_scales(self, path: Path, manifest: dict[str, Any]) -> None:
+        """An FP8-cache server takes only exports with KV-cache scales, others only without."""
+        fp8_cache = str(self.vllm_config.cache_config.cache_dtype).startswith("fp8")
+        pushed = any(is_kv_scale(n) for n in manifest.get("tensors", {}))
+        if fp8_cache and not pushed:
+            raise ExportError(
+                f"{path} has no KV-cache scales but the server runs --kv-cache-dtype "
+                f"{self.vllm_config.cache_config.cache_dtype}; set rollout.kv_cache_dtype: fp8 "
+                "so the trainer pushes the scales of its weights"
+            )
+        if pushed and not fp8_cache:
+            raise ExportError(
+                f"{path} carries FP8 KV-cache scales but the server's KV cache is not FP8; "
+                "start vLLM with --kv-cache-dtype fp8 or set rollout.kv_cache_dtype: auto"
             )
 
     def _begin_reload(self) -> None:
@@ -280,7 +346,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         try:
             self._end_reload()  # layers not yet loaded get their old tensors back
             self._begin_reload()
-            self.model.load_weights(self._rollback_weights())
+            self.model.load_weights(without_kv_scales(self._rollback_weights(), {}))
             self._end_reload()
         except BaseException:
             logger.exception(
@@ -291,7 +357,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 source,
             )
             os._exit(ROLLBACK_FAILED_EXIT)
-        self._session = []
+        self._session, self._kv_scales = [], {}
         logger.warning("jfp8rl_shm: %s refused mid-load (%s); restored %s", path, cause, source)
 
     def finish_weight_update(self) -> None:
@@ -299,6 +365,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             return  # no verified update arrived: the served weights are unchanged
         t0 = time.perf_counter()
         self._end_reload()
+        if self._kv_scales:
+            apply_kv_scales(self.model, self._kv_scales)
         self._served, self._session = self._session, []
         logger.info(
             "jfp8rl_shm: finalized and embeddings repacked in %.3f s", time.perf_counter() - t0

@@ -29,6 +29,11 @@ stages for the rollout; `losses.calibrated` for shares, balances and bounds):
   the FP8 ratio at the lower bound's cut (`tied_at_cut`: where it is not 0 no L can leave the
   BF16 count below it).
 
+The rollout's FP8 KV cache (`jfp8rl.analysis.kv_mismatch`): every row also carries
+`kv_fp8_kl_mean` / `kv_fp8_kl_max` / `kv_fp8_abs_dlogp_mean`, the mismatch KL that reading K/V
+from an FP8 (E4M3, per-layer amax / 448 scales) cache adds to the rollout recipe on the
+batch's sequences with the start params, whatever `rollout.kv_cache_dtype` the run uses.
+
 Start state: by default the configured base policy with a fresh Adam state (updates at the
 configured lr without warm-up: the first update is a sign step). `--checkpoint RUN_DIR` (its
 latest checkpoint) or `--checkpoint RUN_DIR/checkpoints/STEP` starts instead from that
@@ -55,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfp8rl.analysis.kv_mismatch import kv_cache_mismatch
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
@@ -66,6 +72,7 @@ from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer, abstract_array
 from jfp8rl.trainer.step import MODEL_INPUTS, make_step_fns, response_logprobs
 from losses import calibrated as cal
+from models.fp8 import get_recipe
 
 # (recipe, output-gradient format) pairs audited; BF16 has no FP8 gradient.
 AUDITED_RECIPES: tuple[tuple[str, str], ...] = (
@@ -100,6 +107,7 @@ COLUMNS = (
     ("P>H FP8", "clip_pos_upper_calibrated", 4),
     ("balance (L,H) FP8", "balance_calibrated", 4),
     ("N tied at cut", "n_neg_tied_at_cut", 0),
+    ("KL kv fp8", "kv_fp8_kl_mean", 2),
     ("|N|", "n_neg", 0),
     ("|P|", "n_pos", 0),
 )
@@ -368,8 +376,13 @@ def run_audit(
         stage_sync(t, state, progress.step)
         batch, _ = stage_rollout(t, progress, progress.step + 1)
         n_tok = int(np.sum(batch.response_mask))
+        kv = kv_cache_mismatch(
+            t.policy.graphdef, state["params"], batch.tokens, batch.attention_mask,
+            batch.prompt_lens, batch.response_mask, get_recipe(cfg.rollout.recipe),
+        )  # fmt: skip
         for i, (recipe, grad) in enumerate(recipes):
-            rows += audit_recipe(t, state, batch, recipe, grad, updates, progress.step + 1)
+            new = audit_recipe(t, state, batch, recipe, grad, updates, progress.step + 1)
+            rows += [{**row, **kv} for row in new]
             elapsed = time.perf_counter() - t0
             log(f"[audit] {recipe}/{grad} done ({i + 1}/{len(recipes)}, {elapsed:.0f} s)")
             # Written after every recipe: a long audit interrupted keeps what it measured.

@@ -22,6 +22,7 @@ from losses.rollout_correction import CORRECTION_LEVELS, CORRECTIONS
 from losses.rollout_rejection import parse_rejection
 from models.config import PRESETS
 from models.fp8 import RECIPES
+from models.kv_quant import KV_CACHE_DTYPES
 from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
 from rollout_bridge.weights.hashing import HASHES
 
@@ -169,6 +170,12 @@ class RolloutConfig:
     # it to the server): a larger batch runs in chunks of it, which bounds the KV cache. The
     # samples do not depend on it (rollout_bridge.engine.embedded).
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    # KV cache of rollout (vLLM's --kv-cache-dtype): "auto" (the compute dtype), "bf16", or
+    # "fp8" (E4M3 keys and values, one K and one V scale per layer, models.kv_quant). With
+    # "fp8" the scales are recalibrated from the policy at every weight sync (amax / 448 over
+    # the latest rollout's sequences): the embedded engine does it itself, servers (started
+    # with --kv-cache-dtype fp8) receive them with each weight push (docs/rollout.md).
+    kv_cache_dtype: str = "auto"
     # Seconds one HTTP request may wait for its answer; a request that times out (or finds
     # the server refusing / dropping the connection) is tried again `max_retries` times.
     timeout_s: float = 60.0
@@ -215,6 +222,7 @@ class RolloutConfig:
             "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")
         )
         check_choice("rollout", "export_hash", self.export_hash, ("", *HASHES))
+        check_choice("rollout", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         check_positive("rollout", "n", self.n)
         check_positive("rollout", "max_tokens", self.max_tokens)
         check_positive("rollout", "max_num_seqs", self.max_num_seqs)

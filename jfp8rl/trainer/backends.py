@@ -2,14 +2,21 @@
 
 `make_backend` builds the embedded engine or an HTTP client (one server, or a `ServerPool` over
 several); `push_params` streams the params to it one tensor at a time in the push format
-(`push_format`), labelled with the weight version of the step (`version`).
+(`push_format`), labelled with the weight version of the step (`version`); with
+`rollout.kv_cache_dtype: fp8` and servers, `kv_scale_push` adds the FP8 KV-cache scales of the
+pushed params (calibrated on the step's rollout sequences) to the push.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import jax
+import numpy as np
 
 from jfp8rl.config import Config, RolloutConfig
 from jfp8rl.config.sections import API_KEY_ENV
@@ -18,12 +25,16 @@ from jfp8rl.trainer.policy import Policy
 from models.config import ModelConfig
 from models.fp8 import get_recipe
 from models.hf_io import iter_hf_state
+from models.kv_calibration import calibrate_kv_scales
 from rollout_bridge.backend import RolloutBackend, RolloutError
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.pool import ServerPool
 from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.engine.embedded import EmbeddedBackend, default_export_format
 from rollout_bridge.export import fetch_dtype
+from rollout_bridge.weights.kv_scales import kv_scale_tensors
+
+_calibrate = jax.jit(calibrate_kv_scales, static_argnums=0, static_argnames="recipe")
 
 
 def version(k: int) -> str:
@@ -61,6 +72,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
             policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
             export_format=push_format(r), export_root=root, max_num_seqs=r.max_num_seqs,
+            kv_cache_dtype=r.kv_cache_dtype,
         )  # fmt: skip
     settings = ClientSettings(
         api_key=api_key(r), timeout_s=r.timeout_s, max_retries=r.max_retries,
@@ -80,10 +92,49 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
     return backend
 
 
+def kv_scale_push(
+    r: RolloutConfig,
+    graphdef: Any,
+    params: Any,
+    sequences: tuple[np.ndarray, np.ndarray] | None,
+    prompts: Sequence[Sequence[int]],
+) -> dict[str, np.ndarray]:
+    """The FP8 KV-cache scale tensors to push with `params` to vLLM-compatible servers
+    (`rollout_bridge.weights.kv_scales`): {} unless backend "http" with kv_cache_dtype "fp8".
+
+    Scales are amax / 448 per layer of the keys and values `params` compute under the rollout
+    recipe (`models.kv_calibration`), on `sequences` (tokens, attention_mask: the step's
+    rollout, its first `max_num_seqs` rows), or before any rollout on `prompts` (left-padded).
+    The embedded engine calibrates itself on its own latest generation at every install."""
+    if r.backend != "http" or r.kv_cache_dtype != "fp8":
+        return {}
+    if sequences is None:
+        if not prompts:
+            raise RolloutError(
+                "rollout.kv_cache_dtype=fp8 with servers calibrates its first push on the eval "
+                "prompts, and the eval set is empty; give eval examples (eval.data / eval.n)"
+            )
+        width = max(len(p) for p in prompts)
+        tokens = np.zeros((len(prompts), width), np.int32)
+        mask = np.zeros_like(tokens)
+        for i, p in enumerate(prompts):
+            tokens[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+        sequences = (tokens, mask)
+    tokens, mask = (np.asarray(x)[: r.max_num_seqs] for x in sequences)
+    scales = _calibrate(graphdef, params, tokens, mask, recipe=get_recipe(r.recipe))
+    return kv_scale_tensors(np.asarray(scales.k), np.asarray(scales.v))
+
+
 def push_params(
-    backend: RolloutBackend | None, cfg: ModelConfig, params: Any, version: str, fmt: str
+    backend: RolloutBackend | None,
+    cfg: ModelConfig,
+    params: Any,
+    version: str,
+    fmt: str,
+    extra: Mapping[str, np.ndarray] | None = None,
 ) -> None:
-    """Pushes `params` to `backend` as `version` in the rollout format `fmt`.
+    """Pushes `params` to `backend` as `version` in the rollout format `fmt`, and the `extra`
+    tensors with them (FP8 KV-cache scales, `kv_scale_push`).
 
     One tensor at a time (a layer slice made on the devices, in HF layout and the push's dtype
     `fetch_dtype(fmt)`, then fetched): the host never holds a full copy of the model. Process 0
@@ -91,5 +142,5 @@ def push_params(
     gathers of a multi-process run."""
     distributed.consume_on_main(
         lambda tensors: backend.push_weights(tensors, version),
-        iter_hf_state(cfg, params, dtype=fetch_dtype(fmt)),
+        itertools.chain(iter_hf_state(cfg, params, dtype=fetch_dtype(fmt)), (extra or {}).items()),
     )

@@ -30,7 +30,7 @@ from jfp8rl.observe.memory import log_memory
 from jfp8rl.observe.rollout_dump import write_rollouts
 from jfp8rl.parallel import distributed
 from jfp8rl.parallel import mesh as mesh_lib
-from jfp8rl.trainer.backends import push_format, push_params, version
+from jfp8rl.trainer.backends import kv_scale_push, push_format, push_params, version
 from jfp8rl.trainer.errors import RunStopped, resume_hint
 from jfp8rl.trainer.evaluation import evaluate
 from jfp8rl.trainer.overlap import Collected
@@ -146,10 +146,20 @@ def stage_update(
     return upd
 
 
-def stage_sync(t: Trainer, state: dict[str, Any], step: int) -> float:
-    """Pushes the params to the rollout backend as version `step-<step>`; seconds taken."""
+def stage_sync(
+    t: Trainer, state: dict[str, Any], step: int, batch: RolloutBatch | None = None
+) -> float:
+    """Pushes the params to the rollout backend as version `step-<step>`, with the FP8
+    KV-cache scales servers need (`kv_scale_push`, calibrated on `batch`'s sequences, before
+    any rollout on the eval prompts); seconds taken."""
     t0 = time.perf_counter()
-    push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(t.cfg.rollout))
+    r = t.cfg.rollout
+    seqs = None if batch is None else (batch.tokens, batch.attention_mask)
+    first = batch is None and r.backend == "http" and r.kv_cache_dtype == "fp8"
+    examples = t.eval_set[: r.max_num_seqs] if first else []
+    prompts = t.fmt.encode(examples, t.cfg.data.max_prompt_tokens) if examples else []
+    kv = kv_scale_push(r, t.policy.graphdef, state["params"], seqs, prompts)
+    push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(r), kv)
     return time.perf_counter() - t0
 
 
@@ -272,7 +282,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     t_train = time.perf_counter() - t1
     log_memory(t.log, f"update {p.step}")
     t_settle = stage_settle(t)
-    t_sync = stage_sync(t, state, p.step)
+    t_sync = stage_sync(t, state, p.step, batch)
     log_memory(t.log, f"sync {p.step}")
     timings = {
         "rollout_s": t_roll,

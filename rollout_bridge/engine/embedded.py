@@ -21,6 +21,15 @@ default format is "fp8" for a block-FP8 recipe (what a GPU vLLM FP8 server recei
 linears + f32 `weight_scale_inv` per 128 x 128 block, the quantizer the trainer uses;
 embeddings, norms, biases bf16) and "fp32" otherwise; any export format can be chosen.
 
+KV cache (`kv_cache_dtype`): "auto" keeps keys and values in the compute dtype, "bf16" in
+bfloat16, "fp8" as E4M3 with one K and one V scale per layer (`models.kv_quant`, vLLM's
+`--kv-cache-dtype fp8` numerics). FP8 scales follow the installed weights: an export that
+carries `model.layers.<l>.self_attn.k_scale` / `v_scale` (the trainer's push) installs those;
+otherwise every install recalibrates them on the sequences (prompt ++ response) of the
+engine's latest generation under the new weights (`models.kv_calibration`, amax / 448), and
+before any generation the first call calibrates on its own prompts before it decodes. So no
+generation runs on the scales of older weights, nor on vLLM's default 1.0.
+
 How close the engine is to the trainer's own recipe on the f32 masters: "fp8_fp32" holds the
 trainer's FP8 values exactly (f32 compute: float rounding apart), "fp8" also rounds embeddings,
 norms and biases to bf16 (`tests/rollout_bridge/engine/test_embedded.py` bounds both). With
@@ -45,6 +54,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.fp8 import Recipe, get_recipe
 from models.hf_io import load_hf
+from models.kv_quant import KVScales
 from models.tokenizer import eos_token_id, load_tokenizer
 from rollout_bridge.backend import (
     Completion,
@@ -63,8 +73,10 @@ from rollout_bridge.engine.batching import (
     row_chunks,
     score_batch,
 )
+from rollout_bridge.engine.kv_cache import KVCacheScales
 from rollout_bridge.engine.programs import generate_rows, score_logprobs, score_ranks
 from rollout_bridge.export import export_weights
+from rollout_bridge.weights.kv_scales import split_kv_scales
 from rollout_bridge.weights.reader import load_export
 from rollout_bridge.weights.store import default_root
 
@@ -99,6 +111,8 @@ class EmbeddedBackend(RolloutBackend):
       max_num_seqs: the most sequences one jitted call decodes or scores (vLLM's
         `--max-num-seqs`); larger calls run in chunks of it, so the KV cache holds at most
         max_num_seqs x (bucketed prompt + new tokens) entries whatever a call asks.
+      kv_cache_dtype: "auto" (compute dtype), "bf16" or "fp8" (E4M3 with per-layer scales,
+        recalibrated at every install: module docstring).
 
     Thread-safe: one lock serialises the jitted calls and installs (the HTTP server runs
     threads); it is taken per chunk, so concurrent calls take turns chunk by chunk.
@@ -117,9 +131,11 @@ class EmbeddedBackend(RolloutBackend):
         export_root: str | Path | None = None,
         export_format: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"EmbeddedBackend: max_num_seqs={max_num_seqs} must be >= 1")
+        self.kv_cache_dtype = kv_cache_dtype
         self.cfg = cfg
         self.graphdef = graphdef
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -130,6 +146,7 @@ class EmbeddedBackend(RolloutBackend):
             if self.recipe.quantized and self.recipe.backend == "emulate"
             else self.recipe
         )
+        self._kv = KVCacheScales(kv_cache_dtype, graphdef, self._forward_recipe)
         # Own buffers: the trainer donates its train-state params to its update, and a
         # `device_put` to the same placement returns the same buffers, so holding the caller's
         # arrays could leave the engine with deleted ones. None: no weights until a push.
@@ -230,24 +247,28 @@ class EmbeddedBackend(RolloutBackend):
             jnp.asarray(batch.key_index),
             jnp.asarray(batch.sample_index),
         )
+        prompt, mask = jnp.asarray(batch.prompt), jnp.asarray(batch.mask)
         with self._lock:
             version = self._version
             toks, lps, lens = generate_rows(
                 self.graphdef,
                 self.params,
-                jnp.asarray(batch.prompt),
-                jnp.asarray(batch.mask),
+                prompt,
+                mask,
                 keys,
                 jnp.full((b,), sp.temperature, jnp.float32),
                 jnp.full((b,), min(sp.top_k, self.cfg.vocab_size), jnp.int32),  # >= V: off
                 jnp.full((b,), sp.top_p, jnp.float32),
                 jnp.asarray(batch.stop_ids),
                 jnp.asarray(batch.max_new),
+                self._kv.current(self.params, prompt, mask, batch.max_new > 0),
                 cfg=self.cfg,
                 recipe=self._forward_recipe,
                 cache_len=batch.cache_len,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
             toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
+            self._kv.keep_rows(batch.prompt, batch.mask, toks, lens, batch.max_new > 0)
         out = []
         for r in range(batch.rows):
             ids = toks[r, : lens[r]].astype(np.int32)
@@ -276,12 +297,17 @@ class EmbeddedBackend(RolloutBackend):
         out = []
         for tokens, mask, lengths in self._score_chunks(sequences):
             with self._lock:
+                tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
                 lp = score_logprobs(
                     self.graphdef,
                     self.params,
-                    jnp.asarray(tokens),
-                    jnp.asarray(mask),
+                    tokens,
+                    mask,
+                    self._kv.current(
+                        self.params, tokens, mask, np.arange(len(mask)) < len(lengths)
+                    ),
                     recipe=self._forward_recipe,
+                    kv_cache_dtype=self.kv_cache_dtype,
                 )
                 lp = np.asarray(lp)
             out += [lp[r, :n].copy() for r, n in enumerate(lengths)]
@@ -296,12 +322,17 @@ class EmbeddedBackend(RolloutBackend):
         out = []
         for tokens, mask, lengths in self._score_chunks(sequences):
             with self._lock:
+                tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
                 lp, rank = score_ranks(
                     self.graphdef,
                     self.params,
-                    jnp.asarray(tokens),
-                    jnp.asarray(mask),
+                    tokens,
+                    mask,
+                    self._kv.current(
+                        self.params, tokens, mask, np.arange(len(mask)) < len(lengths)
+                    ),
                     recipe=self._forward_recipe,
+                    kv_cache_dtype=self.kv_cache_dtype,
                 )
                 lp, rank = np.asarray(lp), np.asarray(rank)
             out += [(lp[r, :n].copy(), rank[r, :n].copy()) for r, n in enumerate(lengths)]
@@ -350,10 +381,12 @@ class EmbeddedBackend(RolloutBackend):
             expected_version=version,
             expected_manifest_sha256=manifest_sha256,
         )
+        tensors, pushed = split_kv_scales(tensors, self.cfg.num_layers)
         served = engine_params.served_params(self.cfg, tensors, manifest.get("quantization_config"))
         params = engine_params.install(served, self.cfg, self.recipe)
+        scales = self._kv.for_install(params, pushed)
         with self._lock:
-            self._params = params
+            self._params, self._kv.scales = params, scales
             if version is not None:
                 self._version = version
 
@@ -366,9 +399,14 @@ class EmbeddedBackend(RolloutBackend):
 
     @params.setter
     def params(self, params: Any | None) -> None:
-        self._params = (
-            None if params is None else engine_params.install(params, self.cfg, self.recipe)
-        )
+        installed = None if params is None else engine_params.install(params, self.cfg, self.recipe)
+        scales = None if installed is None else self._kv.for_install(installed, None)
+        self._params, self._kv.scales = installed, scales
+
+    @property
+    def kv_scales(self) -> KVScales | None:
+        """The FP8 KV-cache scales of the installed weights (None: none yet, or no FP8 cache)."""
+        return self._kv.scales
 
     def set_weight_version(self, version: str) -> None:
         """Labels the installed weights (the server's `/finish_weight_update`)."""

@@ -5,9 +5,14 @@ values every forward would compute from them (the recipe's FP8 fake-quantization
 to the compute dtype), so decoding does not re-quantize the weights at every step.
 `generate_rows` prefills the KV cache for a left-padded batch and runs `decode_step` + sampling
 in a `lax.while_loop` until every row has finished; `score_logprobs` / `score_ranks` give
-teacher-forced logprobs (and vLLM's `prompt_logprobs` ranks). Static arguments are the model
-graph, config, recipe and cache length, so one executable serves every batch of one bucket
-shape; every sampling knob is a traced per-row array (`rollout_bridge.engine.sampling`).
+teacher-forced logprobs (and vLLM's `prompt_logprobs` ranks); `calibrate` gives FP8 KV-cache
+scales. Static arguments are the model graph, config, recipe, cache length and KV-cache dtype,
+so one executable serves every batch of one bucket shape; every sampling knob is a traced
+per-row array (`rollout_bridge.engine.sampling`), the KV-cache scales are traced too.
+
+With `kv_cache_dtype="fp8"` keys and values are stored as e4m3 with per-layer scales
+(`models.kv_quant`) and every attention, prefill, decode and scoring alike, reads them as the
+cache holds them (as vLLM's attention reads its cache, prompt tokens included).
 """
 
 from __future__ import annotations
@@ -23,10 +28,14 @@ from models import fp8
 from models import functional as mf
 from models.config import ModelConfig
 from models.fp8 import Recipe
+from models.kv_calibration import calibrate_kv_scales
+from models.kv_quant import KVScales
 from rollout_bridge.engine import sampling as smp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len", "kv_cache_dtype")
+)
 def generate_rows(
     graphdef: Any,
     params: Any,
@@ -38,10 +47,12 @@ def generate_rows(
     top_p: Float[Array, " B"],
     stop_ids: Int[Array, "B S"],
     max_new: Int[Array, " B"],
+    kv_scales: KVScales | None = None,
     *,
     cfg: ModelConfig,
     recipe: Recipe,
     cache_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
     """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
 
@@ -50,7 +61,7 @@ def generate_rows(
     """
     rows, plen = prompt.shape
     steps = cache_len - plen
-    cache = mf.init_cache(cfg, rows, cache_len)
+    cache = mf.init_cache(cfg, rows, cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
     logits, cache = mf.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
     tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
     live = max_new > 0
@@ -79,31 +90,38 @@ def generate_rows(
     return out_tok, out_lp, lengths
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe", "kv_cache_dtype"))
 def score_logprobs(
     graphdef: Any,
     params: Any,
     tokens: Int[Array, "B T"],
     mask: Int[Array, "B T"],
+    kv_scales: KVScales | None = None,
     *,
     recipe: Recipe,
+    kv_cache_dtype: str = "auto",
 ) -> Float[Array, "B T"]:
     """`models.functional.token_logprobs` (temperature 1), jitted with static shapes."""
-    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe)
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    return mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe, **kv)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "recipe"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "recipe", "kv_cache_dtype"))
 def score_ranks(
     graphdef: Any,
     params: Any,
     tokens: Int[Array, "B T"],
     mask: Int[Array, "B T"],
+    kv_scales: KVScales | None = None,
     *,
     recipe: Recipe,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Float[Array, "B T"], Int[Array, "B T"]]:
     """Teacher-forced (logprob, rank) of each token; rank = 1 + #tokens with a larger logit
     (vLLM's `prompt_logprobs` rank). Entry 0 has no context: logprob 0, rank 1."""
-    logits = mf.forward(graphdef, params, tokens, mask, recipe=recipe).astype(jnp.float32)
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    logits = mf.forward(graphdef, params, tokens, mask, recipe=recipe, **kv)
+    logits = logits.astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nxt = tokens[:, 1:]
     tok_lp = jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
@@ -113,6 +131,9 @@ def score_ranks(
         jnp.concatenate([zero.astype(jnp.float32), tok_lp], axis=1),
         jnp.concatenate([zero + 1, rank.astype(jnp.int32)], axis=1),
     )
+
+
+calibrate = jax.jit(calibrate_kv_scales, static_argnums=0, static_argnames="recipe")
 
 
 @functools.partial(jax.jit, static_argnames=("recipe", "dtype"))

@@ -47,7 +47,7 @@ def test_rows_present_and_finite(audit) -> None:
     required = (
         "recipe updates noise_floor clip_neg_lower_fp8 clip_neg_lower_bf16 clip_pos_upper_fp8 "
         "clip_pos_upper_bf16 balance_fp8 balance_bf16 L H clip_neg_lower_calibrated "
-        "balance_calibrated n_neg n_pos"
+        "balance_calibrated n_neg n_pos kv_fp8_kl_mean kv_fp8_kl_max kv_fp8_abs_dlogp_mean"
     ).split()
     on_disk = json.loads((out / "audit.json").read_text())
     assert on_disk == rows
