@@ -31,7 +31,8 @@ import numpy as np
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
 from jfp8rl.trainer.microbatch import length_buckets, pack_token_budget, padding_share
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import UPDATE_INPUTS, default_settings, make_step_fns
+from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
+from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import get_algorithm
 from models import functional as mf

@@ -128,7 +128,8 @@ def probe(config: str, overrides: list[str], shuffles: int, draws: int, from_run
     from jfp8rl.trainer.optimizer import OptimSettings
     from jfp8rl.trainer.policy import load_policy
     from jfp8rl.trainer.rollout import RolloutSettings, collect
-    from jfp8rl.trainer.step import default_settings, make_step_fns
+    from jfp8rl.trainer.step import make_step_fns
+    from jfp8rl.trainer.step_settings import default_settings
     from losses import calibrated as cal
     from losses.registry import get_algorithm
     from models.hf_io import to_hf_state_dict

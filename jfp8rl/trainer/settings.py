@@ -12,7 +12,7 @@ from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.microbatch import length_buckets
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
-from jfp8rl.trainer.step import StepSettings, default_settings
+from jfp8rl.trainer.step_settings import StepSettings, default_settings
 from losses import calibrated as cal
 from losses.registry import get_algorithm
 from losses.rollout_rejection import parse_rejection

@@ -20,7 +20,8 @@ from jfp8rl.trainer.checkpoint import Checkpointer
 from jfp8rl.trainer.overlap import RolloutAhead
 from jfp8rl.trainer.policy import Policy
 from jfp8rl.trainer.rollout import RolloutSettings
-from jfp8rl.trainer.step import StepFns, StepSettings
+from jfp8rl.trainer.step import StepFns
+from jfp8rl.trainer.step_settings import StepSettings
 from losses import calibrated as cal
 from rollout_bridge.backend import RolloutBackend
 

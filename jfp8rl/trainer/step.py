@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,14 +60,15 @@ from jfp8rl.trainer.microbatch import (
     split_micro,
 )
 from jfp8rl.trainer.optimizer import OptimSettings, make_optimizer
+from jfp8rl.trainer.step_settings import StepSettings
 from losses import advantages as adv_lib
 from losses import calibrated as cal
 from losses import rollout_correction as rc
 from losses import rollout_rejection as rej
 from losses.masked import agg_denominator
-from losses.registry import Algorithm, compute_loss
+from losses.registry import compute_loss
 from models import functional as mf
-from models.fp8 import Recipe, get_recipe
+from models.fp8 import Recipe
 
 # Metrics that only a calibrating mini-batch computes (`losses.calibrated.calibrate`); between
 # calibrations the last values stay in force and are logged as such.
@@ -81,28 +82,6 @@ UPDATE_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask", "ro
 
 # Batch arrays the model forward reads (the rest are per-token loss inputs).
 MODEL_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask")
-
-
-class StepSettings(NamedTuple):
-    """Static settings of the jitted functions (from the config)."""
-
-    train_recipe: Recipe
-    shadow_recipe: Recipe  # BF16 recipe of the calibration shadow pass
-    algo: Algorithm
-    calibrated: bool
-    calib_cfg: cal.CalibConfig
-    correction: str  # tis | icepop | mis | none (losses.rollout_correction.CORRECTIONS)
-    correction_level: str
-    tis_cap: float
-    group_size: int
-    micro_batch_size: int = 0  # sequences per forward/backward; 0 = the whole (mini-)batch
-    correction_lower: float = 0.5  # IcePop's lower bound
-    correction_batch_norm: bool = False  # IS weights divided by their batch mean
-    rejection: tuple[rej.RejectionRule, ...] = ()  # losses.rollout_rejection.parse_rejection
-    # Token-budget micro-batches of the update (`jfp8rl.trainer.token_budget`): tokens per
-    # device per micro-batch (0 = off) and the padded lengths they may take.
-    max_tokens_per_micro_batch: int = 0
-    length_buckets: tuple[int, ...] = ()
 
 
 def gather_response(
@@ -415,42 +394,3 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         whole_metrics=whole_metrics, apply_grads=apply_grads,
     )  # fmt: skip
     return dataclasses.replace(fns, token_budget=budget)
-
-
-def default_settings(
-    algo: Algorithm,
-    *,
-    train_recipe: str,
-    calibrated: bool,
-    calib_cfg: cal.CalibConfig,
-    correction: str,
-    correction_level: str,
-    tis_cap: float,
-    group_size: int,
-    micro_batch_size: int = 0,
-    grad_format: str = "e4m3",
-    correction_lower: float = 0.5,
-    correction_batch_norm: bool = False,
-    rejection: tuple[rej.RejectionRule, ...] = (),
-    max_tokens_per_micro_batch: int = 0,
-    length_buckets: tuple[int, ...] = (),
-) -> StepSettings:
-    """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
-    (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
-    return StepSettings(
-        train_recipe=get_recipe(train_recipe, bwd_format=grad_format),
-        shadow_recipe=get_recipe("bf16"),
-        algo=algo,
-        calibrated=calibrated,
-        calib_cfg=calib_cfg,
-        correction=correction,
-        correction_level=correction_level,
-        tis_cap=tis_cap,
-        group_size=group_size,
-        micro_batch_size=micro_batch_size,
-        correction_lower=correction_lower,
-        correction_batch_norm=correction_batch_norm,
-        rejection=rejection,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-        length_buckets=tuple(length_buckets),
-    )

@@ -21,7 +21,8 @@ from tiny_run import random_batch
 
 from jfp8rl.parallel.mesh import make_mesh, param_layout, put_batch
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import UPDATE_INPUTS, default_settings, make_step_fns
+from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
+from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import Algorithm
 from models import functional as mf

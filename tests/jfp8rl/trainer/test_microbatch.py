@@ -28,7 +28,8 @@ from jfp8rl.trainer.microbatch import (
     take_rows,
 )
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import default_settings, make_step_fns
+from jfp8rl.trainer.step import make_step_fns
+from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import Algorithm
 from models import functional as mf
