@@ -1,4 +1,4 @@
-"""Peak host RSS of GRPO steps on a random-weight model (target <= 16 GB for
+"""Peak host RSS of GRPO steps on a random-weight model (target <= 14 GB for
 qwen3_0.6b, 2 prompts x 4 samples x 16 tokens, 2 steps).
 
     python benchmarks/host_memory.py                      # qwen3_0.6b, the target's run
@@ -13,7 +13,7 @@ Builds the random HF folder once (scripts/make_random_hf.py, cached under --work
 
 in a fresh run folder with JFP8RL_DEBUG_MEMORY=1, so the trainer logs its RSS at every stage
 boundary (`memory: <stage> rss X GiB peak Y GiB`, jfp8rl/observe/memory.py). Prints those lines, then
-`host_memory: <preset> peak RSS X.XX GB (target 16 GB) ...` from `/usr/bin/time -v`'s maximum
+`host_memory: <preset> peak RSS X.XX GB (target 14 GB) ...` from `/usr/bin/time -v`'s maximum
 resident set size (GB = 1e9 bytes). `--extra data.eval_size=8` cuts
 the two greedy evals (256 prompts, slow at 0.6B on a CPU) without
 changing the peak: the eval generates in chunks of data.batch_size x rollout.n prompts, the
@@ -107,9 +107,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: all)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "host_memory"))
     ap.add_argument("--extra", nargs="*", default=[], help="more dotted overrides")
-    ap.add_argument("--target-gb", type=float, default=16.0)
-    ap.add_argument("--min-available-gb", type=float, default=19.0)
-    ap.add_argument("--kill-above-gb", type=float, default=18.0)
+    ap.add_argument("--target-gb", type=float, default=14.0)
+    ap.add_argument("--min-available-gb", type=float, default=18.0)
+    ap.add_argument("--kill-above-gb", type=float, default=17.0)
     a = ap.parse_args()
 
     work = Path(a.work)

@@ -9,7 +9,9 @@ Formats (`fmt`):
               W ~= q * s per B x B block (s = amax / 448), B = 128; embeddings, norms, biases
               and the LM head stay bf16. The manifest carries `quantization_config`
               {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [B, B]}
-              for the server's config.json. For GPU servers (vLLM's CPU build has no FP8 kernels).
+              for the server's config.json, which a vLLM server started with
+              `vllm_layout.serve_flags("fp8")` declares. For GPU servers (vLLM's CPU build
+              has block-FP8 kernels only for CPUs with AMX tiles).
   "fp8_fp32"  the same FP8 values dequantized to float32 (q * s): what a CPU server can load
               while still computing with exactly the trainer's FP8 weights.
 
@@ -35,6 +37,7 @@ import numpy as np
 
 from models import fp8
 from rollout_bridge.backend import HFTensors
+from rollout_bridge.vllm_layout import fp8_quantization_config
 from rollout_bridge.weights import ExportError
 from rollout_bridge.weights.kv_scales import is_kv_scale
 from rollout_bridge.weights.store import default_root, write_export
@@ -45,15 +48,6 @@ FP8_BLOCK_SIZE = 128
 # Decoder linears only: the embedding / LM head stay high precision as in DeepSeek-V3 and
 # Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers.
 _FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
-
-
-def fp8_quantization_config(block_size: int = FP8_BLOCK_SIZE) -> dict[str, Any]:
-    """The `quantization_config` a block-FP8 checkpoint declares in its config.json."""
-    return {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [block_size, block_size],
-    }
 
 
 def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:

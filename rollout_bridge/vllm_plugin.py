@@ -30,12 +30,16 @@ Update protocol (the client is `rollout_bridge.client.http_backend.HttpBackend`)
 
 A refused export leaves the server serving the old weights and version (vLLM ends the update
 session when `update_weights` raises; the route answers HTTP 500):
+  - an export whose layout the served linear layers cannot take (`rollout_bridge.vllm_layout`:
+    block FP8 into unquantized or online-quantized layers, float weights into FP8 checkpoint
+    layers, another FP8 block size) is refused from its manifest, before a tensor is read;
   - a wrong manifest, version, size or header is refused before any weight is touched;
   - a digest mismatch (a tampered or corrupt tensor) can surface only after earlier tensors
     were loaded, so the plugin rolls back: it closes the broken reload and reloads the weights
     of the last finished update (its export folders, verified again) or, before the first
-    one, the model's own checkpoint (vLLM's loader on `--model`). It loads tensor by tensor
-    only when that rollback source is there (`check_export_files`: manifest and sizes; the
+    one, the model's own checkpoint (vLLM's loader on `--model`; not under `--load-format
+    dummy`, part of the block-FP8 serving flags, whose placeholder weights are not worth
+    restoring). It loads tensor by tensor only when that rollback source is there (`check_export_files`: manifest and sizes; the
     trainer keeps the served version when it writes the next, `keep` >= 2); otherwise it
     verifies the whole export first and loads after, so a refused export touches no weight.
     A rollback that itself fails stops the server process (exit code 70) rather than serve a
@@ -78,9 +82,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from rollout_bridge.vllm_layout import check_export_layout
 from rollout_bridge.weights import ExportError
 from rollout_bridge.weights.kv_scales import is_kv_scale, kv_scale_name
-from rollout_bridge.weights.reader import check_export_files, load_export, open_export
+from rollout_bridge.weights.reader import (
+    check_export_files,
+    load_export,
+    open_export,
+    read_manifest,
+)
 
 ENGINE_NAME = "jfp8rl_shm"
 ROLLBACK_FAILED_EXIT = 70  # the process exits with this when it cannot restore its weights
@@ -230,6 +240,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             )
         t0 = time.perf_counter()
         try:
+            self._check_layout(path)
             # Generation is paused: the hashing threads run on the engine's other cores (the
             # one vLLM's CPU backend reserves for its idle API server) while this thread loads
             # on the core OpenMP pinned it to, so verifying overlaps loading. They start inside
@@ -245,7 +256,6 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                     mapped=True,  # `model.load_weights` copies each tensor into the model's
                 )  # own parameters; the mapping goes when the last view does
             with contextlib.closing(stream):
-                self._check_quantization(path, manifest)
                 self._check_kv_scales(path, manifest)
                 overlap = self._rollback_source_ok()
                 # Without a way back, every digest is checked before a weight is touched.
@@ -269,15 +279,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             sorted(os.sched_getaffinity(0)),
         )
 
-    def _check_quantization(self, path: Path, manifest: dict[str, Any]) -> None:
-        quantized = manifest.get("quantization_config") is not None
-        served_quant = getattr(self.model_config, "quantization", None)
-        if quantized and served_quant != "fp8":
-            raise ExportError(
-                f"{path} is in FP8 checkpoint format but the server runs quantization="
-                f"{served_quant!r}; start vLLM on an FP8 checkpoint (quantization_config in "
-                "config.json) or export with fmt='bf16' / 'fp8_fp32'"
-            )
+    def _check_layout(self, path: Path) -> None:
+        """Refuses, from the manifest alone (before a tensor is read), an export whose format
+        or FP8 block size the served linear layers cannot take (`vllm_layout`)."""
+        check_export_layout(path, read_manifest(path), self.vllm_config.quant_config)
 
     def _check_kv_scales(self, path: Path, manifest: dict[str, Any]) -> None:
         """An FP8-cache server takes only exports with KV-cache scales, others only without."""
@@ -318,8 +323,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         """Whether the weights served before this session can be loaded again: the export
         folders of the last finished update still complete (manifest, sizes; not digests), or,
         before any, `--model` a local folder."""
-        if self._served is None:
-            return Path(self.model_config.model).is_dir()
+        if self._served is None:  # `--load-format dummy` would restore random weights
+            dummy = self.vllm_config.load_config.load_format == "dummy"
+            return Path(self.model_config.model).is_dir() and not dummy
         try:
             for d in self._served:
                 check_export_files(d)

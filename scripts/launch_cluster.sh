@@ -16,6 +16,11 @@
 #                          point the trainer at them (rollout.backend=http, rollout.url(s))
 #   --vllm-model DIR       the HF folder the servers start from (the run's base policy)
 #   --vllm-args "..."      extra `vllm serve` arguments, e.g. "--tensor-parallel-size 8"
+#   --vllm-fp8-block B     serve block-FP8 linear layers (B x B weight blocks), the layout of
+#                          rollout.export_format: fp8 pushes (B = 128, the export's): adds
+#                          --quantization fp8 --load-format dummy --hf-overrides
+#                          '{"quantization_config": {..., "weight_block_size": [B, B]}}'
+#                          (rollout_bridge/vllm_layout.py; the first push brings the weights)
 #   --export-root DIR      where the trainer writes weight pushes (rollout.export_root): a
 #                          filesystem every server can read; /dev/shm only on a shared host
 #   --api-key-file FILE    a file holding the servers' API key, at the same path on every host
@@ -36,11 +41,11 @@
 # printed kill commands).
 set -euo pipefail
 
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="" LOCAL=0 HOSTS="" SLURM=0 PORT=6379 DRY=0 LOG_DIR=""
-VLLM="" VLLM_MODEL="" VLLM_ARGS="" VLLM_BIN="vllm" EXPORT_ROOT="" KEY_FILE=""
+VLLM="" VLLM_MODEL="" VLLM_ARGS="" VLLM_BIN="vllm" EXPORT_ROOT="" KEY_FILE="" FP8_BLOCK=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --local) LOCAL="$2"; shift 2 ;;
@@ -53,6 +58,7 @@ while [[ $# -gt 0 ]]; do
     --vllm-model) VLLM_MODEL="$2"; shift 2 ;;
     --vllm-args) VLLM_ARGS="$2"; shift 2 ;;
     --vllm-bin) VLLM_BIN="$2"; shift 2 ;;
+    --vllm-fp8-block) FP8_BLOCK="$2"; shift 2 ;;
     --export-root) EXPORT_ROOT="$2"; shift 2 ;;
     --api-key-file) KEY_FILE="$2"; shift 2 ;;
     --log-dir) LOG_DIR="$2"; shift 2 ;;
@@ -78,6 +84,17 @@ if [[ -n "$VLLM" && ( $LOCAL -gt 0 || -z "$VLLM_MODEL" ) ]]; then
 fi
 
 q() { local out; out=$(printf '%q ' "$@"); printf '%s' "${out% }"; }  # shell-quoted words
+# Block-FP8 layers for `fp8` pushes: vLLM's FP8 checkpoint config over the BF16 checkpoint,
+# placeholder weights until the first push (rollout_bridge/vllm_layout.py `serve_flags`).
+FP8_ARGS=""
+if [[ -n "$FP8_BLOCK" ]]; then
+  if [[ ! "$FP8_BLOCK" =~ ^[1-9][0-9]*$ ]]; then
+    echo "launch_cluster.sh: --vllm-fp8-block $FP8_BLOCK: give the export's FP8 block size (128)" >&2
+    exit 2
+  fi
+  qc="{\"quantization_config\": {\"quant_method\": \"fp8\", \"activation_scheme\": \"dynamic\", \"weight_block_size\": [$FP8_BLOCK, $FP8_BLOCK]}}"
+  FP8_ARGS=" --quantization fp8 --load-format dummy --hf-overrides $(q "$qc")"
+fi
 # The key is read from the file where each command runs, never put on a command line.
 SERVER_KEY="" TRAINER_KEY="" MIDDLEWARE=""
 if [[ -n "$KEY_FILE" ]]; then
@@ -107,7 +124,7 @@ if [[ -n "$VLLM" ]]; then
     transfer='{"backend": "jfp8rl_shm"}'
     serve="cd $(q "$REPO") && ${SERVER_KEY}VLLM_SERVER_DEV_MODE=1 nohup $(q "$VLLM_BIN") serve \
 $(q "$VLLM_MODEL") --host 0.0.0.0 --port $port --logprobs-mode processed_logprobs \
---weight-transfer-config $(q "$transfer")$MIDDLEWARE $VLLM_ARGS > vllm-$port.log 2>&1 & echo \$!"
+--weight-transfer-config $(q "$transfer")$MIDDLEWARE$FP8_ARGS $VLLM_ARGS > vllm-$port.log 2>&1 & echo \$!"
     remote "$host" "$serve"
     [[ $DRY -eq 1 ]] || echo "  (stop it: ssh $host kill <pid printed above>)"
     urls+=("\"http://$hp\"")
