@@ -1,4 +1,4 @@
-"""Pure functions over (graphdef, params): init, forward, per-token logprobs/entropy, KV decoding.
+"""Pure functions over (graphdef, params): init, forward, per-token logprobs and entropy.
 
 The trainer and the rollout engine never hold a stateful module: `init_model` splits once, and
 every function here merges `graphdef` with `params` inside (so they jit with
@@ -8,11 +8,7 @@ Padding: `attention_mask` is 1 on real tokens. RoPE positions are `cumsum(mask) 
 left-padded row gives its first real token position 0 and its logits do not depend on the
 padding. Key s is visible to query t iff s <= t and mask[s] == 1.
 
-KV decoding (rollout): prompts are left-padded to one length P, `prefill` writes their keys and
-values into cache slots [0, P) and `decode_step` appends one token per call at slot `index`.
-Slot s of the cache holds column s of the sequence `prompt ++ generated`, so each step's logits
-equal `forward` over that sequence with the same mask. Jit `decode_step` with
-`donate_argnames="cache"` so the cache is updated in place.
+KV-cache decoding (rollout) over the same functions: `models.decoding`.
 
 FP8 caveat: with per-tensor activation scaling (`fp8_tensor`) the scale is the amax over every
 token in the call, so pads and batch neighbours shift a row's numbers, and a one-token decode
@@ -27,11 +23,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from models import fp8
 from models import kv_quant as kvq
-from models.attention import causal_self_attention, reference_attention
+from models.attention import causal_self_attention
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.kv_quant import KVScales
@@ -121,7 +117,7 @@ def hidden_states(
 
 class Head(NamedTuple):
     """The LM head weight in compute dtype as the model stores it, and the einsum that applies
-    it (`_head_of`)."""
+    it (`head_of`)."""
 
     w: Array
     spec: str
@@ -135,7 +131,7 @@ _TIED_HEAD = "...d,vd->...v"  # the embedding [V, D] contracted on D
 _UNTIED_HEAD = "...d,dv->...v"  # an `lm_head` kernel [D, V]
 
 
-def _head_of(model: Decoder) -> Head:
+def head_of(model: Decoder) -> Head:
     """The LM head of `model`: a tied embedding [V, D] is contracted on D as it is, so XLA never
     materialises its transpose (an f32 [D, V] copy handed to the logprob scan, and a [D, V]
     gradient accumulator in its backward: 0.6 GB each at a 152k vocabulary and d = 1024)."""
@@ -146,10 +142,10 @@ def _head_of(model: Decoder) -> Head:
 
 
 def _head(graphdef: nnx.GraphDef, params: Params) -> Head:
-    return _head_of(nnx.merge(graphdef, params))
+    return head_of(nnx.merge(graphdef, params))
 
 
-def _logits(h: Float[Array, "... D"], head: Head) -> Float[Array, "... V"]:
+def apply_head(h: Float[Array, "... D"], head: Head) -> Float[Array, "... V"]:
     # The LM head stays out of FP8: compute-dtype operands, f32 accumulation, f32 logits.
     return jnp.einsum(head.spec, h, head.w, preferred_element_type=jnp.float32)
 
@@ -168,7 +164,7 @@ def forward(
     `kv_cache_dtype` cache holds them, `hidden_states`)."""
     kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
     h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
-    return _logits(h, _head(graphdef, params))
+    return apply_head(h, _head(graphdef, params))
 
 
 def token_logprobs_and_entropy(
@@ -214,7 +210,7 @@ def token_logprobs_and_entropy(
 
     @jax.checkpoint
     def chunk(h_c: Array, tgt_c: Array) -> tuple[Array, Array]:
-        z = _logits(h_c, head)
+        z = apply_head(h_c, head)
         if temperature != 1.0:
             z = z / temperature
         lse = jax.nn.logsumexp(z, axis=-1)
@@ -283,171 +279,3 @@ def token_entropy(
         chunk_size=chunk_size,
         temperature=temperature,
     )[1]
-
-
-# ----------------------------------------------------------------------------------------------
-# KV-cache decoding
-# ----------------------------------------------------------------------------------------------
-
-
-class KVCache(NamedTuple):
-    """Static-shape decoding state (a pytree).
-
-    k, v:   [L, B, S, K, E] keys (after RoPE) and values as stored (`models.kv_quant`: the
-            compute dtype, bf16, or e4m3 codes); slot s = column s.
-    mask:   [B, S] True where slot s holds a real token.
-    pos:    [B] RoPE position of the next token (= real tokens so far in the row).
-    index:  [] the slot the next token is written to (same for every row).
-    scales: per-layer K/V scales of an FP8 cache (ones, unused, otherwise).
-    """
-
-    k: Float[Array, "L B S K E"]
-    v: Float[Array, "L B S K E"]
-    mask: Bool[Array, "B S"]
-    pos: Int[Array, " B"]
-    index: Int[Array, ""]
-    scales: KVScales
-
-
-def _write_kv(
-    kv: tuple[Array, Array], layer: Array, slot: Array | int, k: Array, v: Array, s: KVScales
-) -> tuple[Array, Array]:
-    """Cache (k, v) [L, B, S, K, E] with layer `layer`'s slots [slot, slot + T) set to the new
-    [B, T, K, E] keys and values as stored (`kv_quant.store` with the layer's scales). The
-    cache is the layer scan's carry, so XLA writes in place."""
-    start = (layer, 0, slot, 0, 0)
-    return tuple(
-        jax.lax.dynamic_update_slice(c, kvq.store(x, sc[layer], c.dtype)[None], start)
-        for c, x, sc in zip(kv, (k, v), (s.k, s.v), strict=True)
-    )
-
-
-def _read_kv(kv: tuple[Array, Array], layer: Array, s: KVScales, dtype: jnp.dtype):
-    """Layer `layer`'s cached (k, v) [B, S, K, E] back in the compute dtype (`kv_quant.load`)."""
-    return tuple(
-        kvq.load(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False), sc[layer], dtype)
-        for c, sc in zip(kv, (s.k, s.v), strict=True)
-    )
-
-
-def init_cache(
-    cfg: ModelConfig,
-    batch: int,
-    max_len: int,
-    *,
-    kv_cache_dtype: str = "auto",
-    kv_scales: KVScales | None = None,
-) -> KVCache:
-    """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation),
-    stored as `kv_cache_dtype` ("auto" | "bf16" | "fp8", `models.kv_quant`); "fp8" needs the
-    per-layer `kv_scales`.
-
-    Writing past `max_len` is not checked under jit (the last slot would be overwritten):
-    callers size `max_len >= prompt_len + max_new_tokens`.
-    """
-    dtype = kvq.storage_dtype(kv_cache_dtype, cfg.compute_dtype)
-    if kv_cache_dtype == "fp8" and kv_scales is None:
-        raise ValueError("init_cache: kv_cache_dtype='fp8' needs kv_scales (per-layer K/V scales)")
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        mask=jnp.zeros((batch, max_len), bool),
-        pos=jnp.zeros((batch,), jnp.int32),
-        index=jnp.zeros((), jnp.int32),
-        scales=kvq.unit_scales(cfg.num_layers) if kv_scales is None else kv_scales,
-    )
-
-
-def _cache_format(cache: KVCache, compute_dtype: jnp.dtype) -> str:
-    """The `kv_cache_dtype` a cache was made with, from its storage dtype."""
-    for name in kvq.KV_CACHE_DTYPES:
-        if kvq.storage_dtype(name, compute_dtype) == cache.k.dtype:
-            return name
-    raise ValueError(f"KV cache of dtype {cache.k.dtype}: make it with init_cache")
-
-
-def prefill(
-    graphdef: nnx.GraphDef,
-    params: Params,
-    tokens: Int[Array, "B P"],
-    attention_mask: Int[Array, "B P"],
-    cache: KVCache,
-    *,
-    recipe: fp8.Recipe,
-) -> tuple[Float[Array, "B V"], KVCache]:
-    """Runs the (left-padded) prompts, fills cache slots [0, P) and returns the f32 logits of
-    the last column (the next-token distribution; the last column must be a real token).
-    The prompt attends to its keys and values as the cache stores them (as vLLM's attention
-    reads them from its cache), so an FP8 cache rounds the prompt's attention too.
-
-    Starts a fresh cache: whatever `cache` held is overwritten or masked out.
-    """
-    model: Decoder = nnx.merge(graphdef, params)
-    p = tokens.shape[1]
-    if p > cache.mask.shape[1]:
-        raise ValueError(
-            f"prefill: prompt length {p} exceeds the cache length {cache.mask.shape[1]}; "
-            "size init_cache(max_len=...) for prompt + generation"
-        )
-    fmt = _cache_format(cache, model.cfg.compute_dtype)
-    attend = self_attention(model.cfg, attention_mask, fmt, cache.scales)
-
-    def attend_at(
-        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
-    ) -> tuple[Array, tuple[Array, Array]]:
-        return attend(i, q, k, v), _write_kv(kv, i, 0, k, v, cache.scales)
-
-    h, (k_all, v_all) = model.hidden_states(
-        tokens,
-        positions_from_mask(attention_mask),
-        attend_at,
-        fp8.make_dot_general(recipe),
-        carry=(cache.k, cache.v),
-    )
-    mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
-    new_cache = cache._replace(
-        k=k_all,
-        v=v_all,
-        mask=mask,
-        pos=jnp.sum(attention_mask.astype(jnp.int32), axis=1),
-        index=jnp.asarray(p, jnp.int32),
-    )
-    return _logits(h[:, -1], _head_of(model)), new_cache
-
-
-def decode_step(
-    graphdef: nnx.GraphDef,
-    params: Params,
-    token: Int[Array, " B"],
-    cache: KVCache,
-    *,
-    recipe: fp8.Recipe,
-) -> tuple[Float[Array, "B V"], KVCache]:
-    """Appends one token per row at slot `cache.index` and returns the f32 next-token logits.
-
-    Rows that are finished may keep feeding tokens (e.g. pad); their logits are simply ignored.
-    """
-    model: Decoder = nnx.merge(graphdef, params)
-    index = cache.index
-    slots = jnp.arange(cache.mask.shape[1])
-    mask = cache.mask | (slots == index)[None, :]
-    allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including index
-
-    def attend_at(
-        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
-    ) -> tuple[Array, tuple[Array, Array]]:
-        # Write slot `index` of layer i, then attend over that layer's whole cache ([B,H,1,S]).
-        kv = _write_kv(kv, i, index, k, v, cache.scales)
-        k_i, v_i = _read_kv(kv, i, cache.scales, q.dtype)
-        return reference_attention(q, k_i, v_i, allowed), kv
-
-    h, (k_all, v_all) = model.hidden_states(
-        token[:, None],
-        cache.pos[:, None],
-        attend_at,
-        fp8.make_dot_general(recipe),
-        carry=(cache.k, cache.v),
-    )
-    new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
-    return _logits(h[:, 0], _head_of(model)), new_cache

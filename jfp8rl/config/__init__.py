@@ -7,6 +7,7 @@ of every field are in `sections`.
 
 from jfp8rl.config.checks import ConfigError
 from jfp8rl.config.loading import load_config, save_config, to_yaml
+from jfp8rl.config.rollout import RolloutConfig
 from jfp8rl.config.run import Config, check_batch_split
 from jfp8rl.config.sections import (
     AlgorithmConfig,
@@ -19,7 +20,6 @@ from jfp8rl.config.sections import (
     OptimConfig,
     PolicyConfig,
     RewardConfig,
-    RolloutConfig,
     TrainConfig,
     WarmStartConfig,
 )

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import field
 
 from jfp8rl.config.checks import ConfigError
+from jfp8rl.config.rollout import RolloutConfig
 from jfp8rl.config.sections import (
     AlgorithmConfig,
     CalibrationConfig,
@@ -16,7 +17,6 @@ from jfp8rl.config.sections import (
     OptimConfig,
     PolicyConfig,
     RewardConfig,
-    RolloutConfig,
     TrainConfig,
     WarmStartConfig,
 )

@@ -1,6 +1,6 @@
 """The run configuration's sections, one dataclass each, with a comment on every field.
 
-Sections: model, warmstart, data, rollout, reward, algorithm, calibration, train (with its
+Sections: model, warmstart, data, rollout (its own module, `rollout`), reward, algorithm, calibration, train (with its
 mesh), optim, checkpoint, eval, logging. Hyperparameter names follow verl where one exists
 (`eps_low`/`eps_high` = verl's `clip_ratio_low`/`clip_ratio_high`). Each `__post_init__` checks
 its values and raises `ConfigError` naming the full key; choice lists come from the module that
@@ -22,15 +22,6 @@ from losses.rollout_correction import CORRECTION_LEVELS, CORRECTIONS
 from losses.rollout_rejection import parse_rejection
 from models.config import PRESETS
 from models.fp8 import RECIPES
-from models.kv_quant import KV_CACHE_DTYPES
-from rollout_bridge.engine.batching import DEFAULT_MAX_NUM_SEQS
-from rollout_bridge.weights.hashing import HASHES
-
-DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
-# Read for the rollout servers' API key when rollout.api_key is empty.
-API_KEY_ENV = "JFP8RL_ROLLOUT_API_KEY"
-# rollout.max_staleness values the trainer implements (jfp8rl.trainer.overlap).
-MAX_STALENESS = (0, 1)
 
 
 @dataclasses.dataclass
@@ -138,99 +129,6 @@ class DataConfig:
         check_positive("data", "eval_size", self.eval_size, allow_zero=True)
         if not 1 <= self.max_digits <= 6:
             raise ConfigError(f"data.max_digits={self.max_digits} must be in [1, 6]")
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    # "embedded": in-process JAX engine; "http": a vLLM or `python -m rollout_bridge.serve`.
-    backend: str = "embedded"
-    # The one server of backend "http" (empty: http://127.0.0.1:8000 unless `urls` is given).
-    url: str = ""
-    # Several servers (backend "http"): prompt groups spread over them by load, weights
-    # pushed to all, a failing server dropped (rollout_bridge.client.pool). Give `url` or `urls`.
-    urls: list[str] = field(default_factory=list)
-    # Folder the trainer writes weight exports to and the servers read them from: a
-    # filesystem every server can read (/dev/shm only when they share this host). Empty: the
-    # default (/dev/shm/jfp8rl/run-<pid>, or $JFP8RL_EXPORT_ROOT).
-    export_root: str = ""
-    # API key of the HTTP servers (their --api-key), sent as `Authorization: Bearer <key>` to
-    # every server of rollout.url(s); empty: $JFP8RL_ROLLOUT_API_KEY, else none. Never written
-    # to <run_dir>/config.yaml or a checkpoint (`jfp8rl.config.loading.to_yaml`), so give it by
-    # the environment variable: a resume from the saved config finds it there.
-    api_key: str = ""
-    # FP8 recipe of the rollout engine (models.fp8.get_recipe names); embedded backend only.
-    recipe: str = "fp8_block"
-    # Samples per prompt (the GRPO group size).
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 6
-    # Sequences the embedded engine decodes at once (vLLM's --max-num-seqs; for servers, give
-    # it to the server): a larger batch runs in chunks of it, which bounds the KV cache. The
-    # samples do not depend on it (rollout_bridge.engine.embedded).
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    # KV cache of rollout (vLLM's --kv-cache-dtype): "auto" (the compute dtype), "bf16", or
-    # "fp8" (E4M3 keys and values, one K and one V scale per layer, models.kv_quant). With
-    # "fp8" the scales are recalibrated from the policy at every weight sync (amax / 448 over
-    # the latest rollout's sequences): the embedded engine does it itself, servers (started
-    # with --kv-cache-dtype fp8) receive them with each weight push (docs/rollout.md).
-    kv_cache_dtype: str = "auto"
-    # Seconds one HTTP request may wait for its answer; a request that times out (or finds
-    # the server refusing / dropping the connection) is tried again `max_retries` times.
-    timeout_s: float = 60.0
-    # Extra attempts after such a failure, with backoff 0.5 s x 2^k. A server still failing
-    # then is dropped (rollout.urls: its prompts go to the others) or stops the run (one server).
-    max_retries: int = 3
-    # Format of pushed weights (rollout_bridge.export): "fp8" (block-FP8 checkpoint format, a
-    # GPU vLLM), "fp8_fp32" (FP8-rounded values in fp32, a CPU vLLM), "bf16", "fp32";
-    # empty = the backend's default (http: bf16; embedded: fp8 for an FP8 block recipe, else
-    # fp32; `jfp8rl.trainer.backends.push_format`). A bf16 push is rounded on the trainer's devices.
-    export_format: str = ""
-    # Per-tensor digest of each export, checked by the servers before they serve it
-    # (rollout_bridge.weights.hashing): "xxh3_128" (fast, not cryptographic), "blake3" or
-    # "sha256" (cryptographic: for an export_root that others than this run can write);
-    # empty = xxh3_128.
-    export_hash: str = ""
-    # DAPO dynamic sampling: drop groups whose rewards are all equal and sample more prompts,
-    # at most `max_rounds` extra rounds; slots still empty are filled with dropped groups whose
-    # loss mask is zero (static shapes), and counted in `rollout/filled_groups`.
-    dynamic_sampling: bool = False
-    max_rounds: int = 2
-    # One-step off-policy rollout: 1 samples step k+1's batch (on the servers, or the
-    # embedded engine on its own thread) while step k updates, with the weights of step k-1;
-    # the correction (algorithm.correction) then weighs the samples by their own behaviour
-    # logprobs. 0: each step samples with the newest weights, then trains (on-policy).
-    # A step that saves a checkpoint starts no rollout ahead, so a resume is exact
-    # (jfp8rl.trainer.overlap; docs/rollout.md).
-    max_staleness: int = 0
-
-    def server_urls(self) -> list[str]:
-        """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
-        return list(self.urls) or [self.url or DEFAULT_ROLLOUT_URL]
-
-    def __post_init__(self) -> None:
-        check_choice("rollout", "backend", self.backend, ("embedded", "http"))
-        if self.url and self.urls:
-            raise ConfigError(
-                f"rollout.url={self.url!r} and rollout.urls={list(self.urls)} are both given; "
-                "keep one: rollout.url for one server, rollout.urls for several (set "
-                "rollout.url= to empty it)"
-            )
-        check_choice("rollout", "recipe", self.recipe, RECIPES)
-        check_choice(
-            "rollout", "export_format", self.export_format, ("", "fp8", "fp8_fp32", "bf16", "fp32")
-        )
-        check_choice("rollout", "export_hash", self.export_hash, ("", *HASHES))
-        check_choice("rollout", "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        check_positive("rollout", "n", self.n)
-        check_positive("rollout", "max_tokens", self.max_tokens)
-        check_positive("rollout", "max_num_seqs", self.max_num_seqs)
-        check_positive("rollout", "timeout_s", self.timeout_s)
-        check_positive("rollout", "max_retries", self.max_retries, allow_zero=True)
-        check_positive("rollout", "temperature", self.temperature)
-        check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
-        check_choice("rollout", "max_staleness", self.max_staleness, MAX_STALENESS)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jfp8rl.config import Config, RolloutConfig
-from jfp8rl.config.sections import API_KEY_ENV
+from jfp8rl.config.rollout import API_KEY_ENV
 from jfp8rl.parallel import distributed
 from jfp8rl.trainer.policy import Policy
 from models.config import ModelConfig

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models import fp8
+from models import decoding, fp8
 from models import functional as mf
 from models.config import ModelConfig
 from models.fp8 import Recipe
@@ -61,8 +61,10 @@ def generate_rows(
     """
     rows, plen = prompt.shape
     steps = cache_len - plen
-    cache = mf.init_cache(cfg, rows, cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
-    logits, cache = mf.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
+    cache = decoding.init_cache(
+        cfg, rows, cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales
+    )
+    logits, cache = decoding.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
     tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
     live = max_new > 0
     out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))
@@ -76,7 +78,7 @@ def generate_rows(
 
     def body(state):
         step, cache, prev, out_tok, out_lp, done, lengths = state
-        logits, cache = mf.decode_step(graphdef, params, prev, cache, recipe=recipe)
+        logits, cache = decoding.decode_step(graphdef, params, prev, cache, recipe=recipe)
         tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p)
         active = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))

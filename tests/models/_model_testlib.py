@@ -12,14 +12,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from models import decoding
 from models import functional as F
 from models.config import ModelConfig, get_config
 
 TINY = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
 
 forward = jax.jit(F.forward, static_argnums=0, static_argnames="recipe")
-prefill = jax.jit(F.prefill, static_argnums=0, static_argnames="recipe")
-decode_step = jax.jit(F.decode_step, static_argnums=0, static_argnames="recipe")
+prefill = jax.jit(decoding.prefill, static_argnums=0, static_argnames="recipe")
+decode_step = jax.jit(decoding.decode_step, static_argnums=0, static_argnames="recipe")
 
 
 @functools.cache

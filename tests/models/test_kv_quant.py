@@ -11,8 +11,7 @@ import pytest
 from _model_testlib import decode_step, left_padded_batch, prefill, tiny
 from kv_fp8_ref import GRID, cache_values64, quantized_attention64, reference_logits
 
-from models import fp8
-from models import functional as F
+from models import decoding, fp8
 from models import kv_quant as kvq
 from models.attention import causal_allowed, causal_self_attention
 from models.kv_calibration import calibrate_kv_scales
@@ -69,7 +68,7 @@ def test_fp8_cache_decoding_equals_float64_reference_model():
     recipe = fp8.BF16
     tokens, mask = left_padded_batch(cfg.vocab_size, 10, (0, 2), seed=3)
     scales = calibrate(graphdef, params, tokens[:, :6], mask[:, :6], recipe=recipe)
-    cache = F.init_cache(cfg, 2, 10, kv_cache_dtype="fp8", kv_scales=scales)
+    cache = decoding.init_cache(cfg, 2, 10, kv_cache_dtype="fp8", kv_scales=scales)
     last, cache = prefill(graphdef, params, tokens[:, :6], mask[:, :6], cache, recipe=recipe)
     real = np.asarray(mask[:, :6], bool)[None, :, :, None, None]
     for c in (cache.k, cache.v):
@@ -95,6 +94,6 @@ def test_auto_and_bf16_storage_of_bf16_keys_change_nothing():
 def test_fp8_cache_refuses_missing_scales_and_unknown_dtypes():
     cfg, _, _ = tiny("tiny_qwen3")
     with pytest.raises(ValueError, match="kv_scales"):
-        F.init_cache(cfg, 1, 4, kv_cache_dtype="fp8")
+        decoding.init_cache(cfg, 1, 4, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="auto, bf16, fp8"):
-        F.init_cache(cfg, 1, 4, kv_cache_dtype="fp8_e5m2")
+        decoding.init_cache(cfg, 1, 4, kv_cache_dtype="fp8_e5m2")

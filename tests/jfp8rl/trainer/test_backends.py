@@ -13,7 +13,7 @@ import pytest
 from tiny_run import TINY
 
 from jfp8rl.config import load_config
-from jfp8rl.config.sections import API_KEY_ENV
+from jfp8rl.config.rollout import API_KEY_ENV
 from jfp8rl.trainer.backends import make_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))

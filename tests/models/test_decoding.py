@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 from _model_testlib import TINY, decode_step, forward, left_padded_batch, prefill, tiny
 
-from models import fp8
-from models import functional as F
+from models import decoding, fp8
 
 
 def _decode_all(cfg, graphdef, params, tokens, mask, prompt_len, recipe):
     """Logits of prefill (column prompt_len - 1) and of each decode step, as [B, n, V]."""
-    cache = F.init_cache(cfg, tokens.shape[0], tokens.shape[1] + 2)
+    cache = decoding.init_cache(cfg, tokens.shape[0], tokens.shape[1] + 2)
     last, cache = prefill(
         graphdef, params, tokens[:, :prompt_len], mask[:, :prompt_len], cache, recipe=recipe
     )
