@@ -12,4 +12,4 @@ if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
