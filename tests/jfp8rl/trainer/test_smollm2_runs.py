@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ from rollout_bridge.client.settings import ClientSettings
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "smollm2_135m_math.yaml"
 END_OF_TURN = 2
+# The test session's persistent compilation cache (tests/conftest.py), else the config's.
+JAX_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or "runs/.jax_cache"
 
 # The server is launched as the module starts: its start-up runs beside the embedded run.
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("smollm2_vllm")]
@@ -46,9 +49,10 @@ def _run(run_dir: Path, model_dir: Path, *extra: str) -> list[dict]:
     argv = [
         "--config", str(CONFIG), f"run_dir={run_dir}", f"model.path={model_dir}",
         f"data.eval_file={evals}", f"data.train_file={REPO / 'configs/data/sums_train.jsonl'}",
-        "data.batch_size=2", "data.eval_size=2", "rollout.n=2", "rollout.max_tokens=12",
+        "data.batch_size=2", "data.eval_size=2", "rollout.n=2", "rollout.max_tokens=8",
         "train.steps=2", "train.mini_batches=1", "train.eval_every=2", "calibration.every=1",
-        "checkpoint.every=0", "logging.console=none", "logging.rollout_samples=4", *extra,
+        "logging.console=none", "logging.rollout_samples=4", f"train.jax_cache_dir={JAX_CACHE}",
+        *extra,
     ]  # fmt: skip
     assert train_main(argv) == 0
     return read_metrics(run_dir)
@@ -59,7 +63,8 @@ def _check(run_dir: Path, recs: list[dict]) -> None:
         m = next(r for r in recs if r.get("step") == step and "reward/mean" in r)
         for k in ("reward/mean", "actor/pg_loss", "rollout_corr/kl"):
             assert math.isfinite(m[k]), (step, k)
-        assert 0 <= m["rollout_corr/kl"] < 0.5  # same weights, FP8 on both sides
+        # Same weights, FP8 on both sides: a small mismatch (a sample estimate, either sign).
+        assert abs(m["rollout_corr/kl"]) < 0.2
         rows = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").open()]
         assert len(rows) == 4
         for r in rows:
