@@ -1,4 +1,5 @@
-"""Tokenizers in HF `tokenizer.json` format, built offline (no hub downloads).
+"""Tokenizers in HF `tokenizer.json` format, built offline (no hub downloads), and the stop ids
+of a model folder.
 
 The built-in tokenizer is byte-level with no merges: token id b (0..255) is the byte b (in
 GPT-2's byte-to-unicode alphabet, so transformers and vLLM decode it like any byte-level BPE),
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -80,3 +82,55 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
             "(save one with models.tokenizer.save_tokenizer)"
         )
     return Tokenizer.from_file(str(path))
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def _id_list(value: Any) -> list[int]:
+    """An `eos_token_id` entry (an int, a list of ints, or null) as a list."""
+    return (
+        [] if value is None else [int(v) for v in (value if isinstance(value, list) else [value])]
+    )
+
+
+def stop_token_ids(model_dir: str | Path, tok: Tokenizer | None = None) -> tuple[int, ...]:
+    """The ids that end a turn of the model in `model_dir`, as vLLM and transformers' `generate`
+    decide it: the tokenizer's eos (`eos_token` of tokenizer_config.json, looked up in
+    tokenizer.json), then every `eos_token_id` of config.json and of generation_config.json
+    (an int or a list), each once, in that order. A chat model's end of turn often differs
+    from its tokenizer's eos (SmolLM2: eos and end of turn `<|im_end|>` = 2 against
+    `<|endoftext|>` = 0; Qwen3 base: `<|endoftext|>` eos, `<|im_end|>` in the generation config).
+    A folder that names none of them falls back to `<|endoftext|>` (`eos_token_id`). The first
+    id is the folder's eos, used as padding."""
+    folder = Path(model_dir)
+    tok = load_tokenizer(folder) if tok is None else tok
+    ids: list[int] = []
+    eos = _json_file(folder / "tokenizer_config.json").get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if isinstance(eos, str):
+        tid = tok.token_to_id(eos)
+        if tid is None:
+            raise ValueError(
+                f"{folder / 'tokenizer_config.json'}: eos_token {eos!r} is not in tokenizer.json"
+            )
+        ids.append(int(tid))
+    for name in ("config.json", "generation_config.json"):
+        for tid in _id_list(_json_file(folder / name).get("eos_token_id")):
+            if tid not in ids:
+                ids.append(tid)
+    if not ids:
+        try:
+            ids.append(eos_token_id(tok))
+        except ValueError as e:
+            raise ValueError(
+                f"{folder}: no eos token (set eos_token in tokenizer_config.json or "
+                f"eos_token_id in config.json / generation_config.json): {e}"
+            ) from e
+    return tuple(ids)

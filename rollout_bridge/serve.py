@@ -2,7 +2,10 @@
 
 Routes, wire format and keys: `rollout_bridge.server.http_server`; what a request may ask and
 how much memory the server holds: `rollout_bridge.server.limits`. This command loads the HF
-folder into an `EmbeddedBackend` and serves it until interrupted.
+folder into an `EmbeddedBackend` and serves it until interrupted. As vLLM, every request
+stops at the folder's end-of-turn ids (`models.tokenizer.stop_token_ids`: the tokenizer's eos
+and each `eos_token_id` of config.json and generation_config.json) unless it sets
+`ignore_eos`, also one that names no `stop_token_ids`.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ fi
 if ! "$VENV/bin/python" -c "import xxhash" >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q "xxhash>=3.0"
 fi
+# transformers' GGUF loader (scripts/get_smollm2.sh converts SmolLM2 with it) needs gguf and
+# accelerate, which vLLM does not ship.
+if ! "$VENV/bin/python" -c "import gguf, accelerate" >/dev/null 2>&1; then
+  "$VENV/bin/pip" install -q "gguf==0.19.0" "accelerate==1.16.0"
+fi
 # Our plugin (rollout_bridge.vllm_plugin) must be registered through its entry point; no deps.
 "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
 echo "$VENV"

@@ -2,6 +2,8 @@
 # The whole test suite from a fresh machine: installs everything (project venv, the cached
 # vLLM venv of docs/rollout.md section 5), lints, then runs pytest. Extra args go to pytest.
 # The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in one process).
+# The real-model tests (marker real_model: SmolLM2 fetched and converted, ~15 CPU-minutes) run
+# only with JFP8RL_REAL_MODEL_TESTS=1.
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -12,4 +14,6 @@ if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/python -m pytest -q -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+MARKS="not real_model"
+if [ "${JFP8RL_REAL_MODEL_TESTS:-0}" = "1" ]; then MARKS=""; fi
+.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -110,16 +110,19 @@ SHARED_SERVERS = ("tiny_vllm",)
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """xdist groups (module docstring): the shared server an item uses, else its file; the
-    groups holding `slow` tests first, each keeping its order."""
+    shared servers' groups and those holding `slow` tests first, each keeping its order."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         used = [f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ())]
         name = used[0] if used else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(name))
         groups.setdefault(name, []).append(item)
-    slow = [g for g in groups.values() if any(i.get_closest_marker("slow") for i in g)]
-    rest = [g for g in groups.values() if not any(i.get_closest_marker("slow") for i in g)]
-    items[:] = [item for group in slow + rest for item in group]
+
+    def heavy(name: str) -> bool:
+        return name in SHARED_SERVERS or any(i.get_closest_marker("slow") for i in groups[name])
+
+    order = [n for n in groups if heavy(n)] + [n for n in groups if not heavy(n)]
+    items[:] = [item for name in order for item in groups[name]]
 
 
 def skip_vllm() -> bool:
@@ -146,3 +149,34 @@ def transformers_ref(vllm_venv: Path) -> Iterator[Callable[..., tuple[dict, dict
     worker = ReferenceWorker()
     yield worker
     worker.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(vllm_venv: Path) -> Path:
+    """SmolLM2-135M-Instruct (4-bit GGUF weights dequantized to f32) as an HF folder, from
+    scripts/get_smollm2.sh (cached under ~/.cache/jfp8rl; minutes the first time)."""
+    import subprocess
+
+    script = TESTS.parent / "scripts" / "get_smollm2.sh"
+    proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_ref(smollm2_dir: Path, transformers_ref: Callable) -> tuple[dict, dict]:
+    """transformers' GGUF-loaded SmolLM2 on every case of tests/reference/smollm2_cases.py:
+    (meta, arrays) of job `gguf`, one job for the session. The greedy prompts are GREEDY
+    rendered by our chat template (`jfp8rl.data.templates.PromptFormat`)."""
+    from smollm2_cases import GREEDY, reference
+
+    from jfp8rl.data.records import Example
+    from jfp8rl.data.templates import PromptFormat
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_dir)
+    fmt = PromptFormat(smollm2_dir, tok)
+    prompts = [fmt.encode([Example("", "", {}, tuple(c))], 512)[0] for c in GREEDY]
+    meta, arrays = reference(transformers_ref, tok, prompts)
+    return {**meta, "prompts": prompts}, arrays

@@ -14,6 +14,7 @@ from dataclasses import field
 from typing import Any
 
 from jfp8rl.config.checks import ConfigError, check_choice, check_positive
+from jfp8rl.data.rewards import VERIFIERS
 from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.data.templates import check_prompt_template
 from losses.calibrated import BALANCES, MODES, UPPER_RULES
@@ -134,7 +135,8 @@ class DataConfig:
 @dataclasses.dataclass
 class RewardConfig:
     # "task": the built-in task's verifier; "exact": exact string match after stripping;
-    # "math": math-verify equivalence of the last boxed / final answer; "scratchpad": the
+    # "math": math-verify equivalence of the last boxed / final answer; "math_natural": the
+    # same on the last boxed answer, else the last number ("12 + 7 = 19"); "scratchpad": the
     # scratchpad task's format and final sum (an off-format response counts as garbled,
     # reward/unparsed_frac).
     kind: str = "task"
@@ -144,7 +146,7 @@ class RewardConfig:
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        check_choice("reward", "kind", self.kind, ("task", "exact", "math", "scratchpad"))
+        check_choice("reward", "kind", self.kind, tuple(VERIFIERS))
         check_positive("reward", "overlong_buffer", self.overlong_buffer)
 
 

@@ -1,4 +1,5 @@
-"""Rewards: verifiers (built-in task, exact match, math-verify) and DAPO overlong shaping.
+"""Rewards: verifiers (built-in task, exact match, math-verify on the boxed or the natural
+answer) and DAPO overlong shaping.
 
 A verifier maps (response text, reference answer) to correctness in {0, 1}; the reward is the
 correctness plus the optional overlong penalty, and `reward/accuracy` is the mean correctness.
@@ -81,17 +82,38 @@ def last_boxed(text: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=8192)
-def math_prediction(response: str) -> Any:
-    """math-verify's parse of the last `\\boxed{}` answer of `response`; None when there is no
-    box or math-verify cannot parse its content (an unparsed answer, `reward/unparsed_frac`).
-    Cached: the verifier and the unparsed count parse each response once."""
+def _parse_answer(text: str) -> Any:
+    """math-verify's parse of `text` as a boxed answer; None when it does not parse.
+    Cached: the verifier and the unparsed count parse each answer once."""
     from math_verify import parse  # heavy import (sympy); only when configured
 
+    return parse(f"$\\boxed{{{text}}}$") or None
+
+
+def math_prediction(response: str) -> Any:
+    """math-verify's parse of the last `\\boxed{}` answer of `response`; None when there is no
+    box or math-verify cannot parse its content (an unparsed answer, `reward/unparsed_frac`)."""
     boxed = last_boxed(response)
     if boxed is None or not boxed.strip():
         return None
-    pred = parse(f"$\\boxed{{{boxed}}}$")
-    return pred or None
+    return _parse_answer(boxed)
+
+
+NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` (thousands commas dropped), or None."""
+    found = NUMBER_RE.findall(text.replace(",", ""))
+    return found[-1] if found else None
+
+
+def natural_prediction(response: str) -> Any:
+    """The answer as a small chat model writes it: the last non-empty `\\boxed{}`, else the
+    last number of the response ("12 + 7 = 19" answers 19), parsed by math-verify."""
+    boxed = last_boxed(response)
+    text = boxed if boxed is not None and boxed.strip() else last_number(response)
+    return None if text is None else _parse_answer(text)
 
 
 def math_answer_parsed(response: str) -> bool:
@@ -99,13 +121,14 @@ def math_answer_parsed(response: str) -> bool:
     return math_prediction(response) is not None
 
 
-def math_verify_reward(response: str, answer: str) -> float:
-    """math-verify equivalence of the response's last `\\boxed{}` answer with the reference
-    (DeepScaleR / DAPO's rule: the boxed answer counts); 0 when either side does not parse.
-    math-verify's own timeouts apply."""
+def natural_answer_parsed(response: str) -> bool:
+    """Whether `response` holds a parsable boxed answer or a number."""
+    return natural_prediction(response) is not None
+
+
+def _verify(pred: Any, answer: str) -> float:
     from math_verify import parse, verify
 
-    pred = math_prediction(response)
     gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
     if not gold or pred is None:
         return 0.0
@@ -115,10 +138,25 @@ def math_verify_reward(response: str, answer: str) -> float:
         return 0.0
 
 
+def math_verify_reward(response: str, answer: str) -> float:
+    """math-verify equivalence of the response's last `\\boxed{}` answer with the reference
+    (DeepScaleR / DAPO's rule: the boxed answer counts); 0 when either side does not parse.
+    math-verify's own timeouts apply."""
+    return _verify(math_prediction(response), answer)
+
+
+def math_natural_reward(response: str, answer: str) -> float:
+    """As `math_verify_reward`, on `natural_prediction`: the boxed answer, else the last number.
+    For models too small to follow a "put the answer in \\boxed{}" instruction, so that a
+    correct sum written their own way is rewarded (reward.kind "math_natural")."""
+    return _verify(natural_prediction(response), answer)
+
+
 VERIFIERS: dict[str, Verifier] = {
     "task": task_verifier,
     "exact": exact_match,
     "math": math_verify_reward,
+    "math_natural": math_natural_reward,
     "scratchpad": scratchpad_verifier,
 }
 
@@ -128,6 +166,7 @@ VERIFIERS: dict[str, Verifier] = {
 # For the scratchpad task an unparsed response is a garbled one (off-format).
 ANSWER_PARSERS: dict[Verifier, Callable[[str], bool]] = {
     math_verify_reward: math_answer_parsed,
+    math_natural_reward: natural_answer_parsed,
     scratchpad_verifier: scratchpad_parsed,
 }
 

@@ -28,9 +28,10 @@ is tokenized with `add_special_tokens=False`, as transformers does, so the ids e
 `apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **kwargs)`
 (tests/jfp8rl/trainer/test_chat_runs.py checks this against transformers).
 
-Stop tokens (`stop_token_ids`): the tokenizer's eos (`eos_token` of tokenizer_config.json) and
-every `eos_token_id` of `generation_config.json` (Qwen3 instruct: `<|im_end|>` and
-`<|endoftext|>`), as transformers' `generate` and vLLM stop on them.
+Stop tokens (`models.tokenizer.stop_token_ids`): the tokenizer's eos (`eos_token` of
+tokenizer_config.json) and every `eos_token_id` of config.json and generation_config.json
+(Qwen3 instruct: `<|im_end|>` and `<|endoftext|>`), as transformers' `generate` and vLLM stop
+on them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 
 from jfp8rl.data.records import DataError, Example
 from jfp8rl.data.stream import encode_texts
-from models.tokenizer import eos_token_id
+from models.tokenizer import stop_token_ids
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -136,35 +137,6 @@ def compile_chat_template(source: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
-
-
-def stop_token_ids(folder: str | Path, tokenizer: Any) -> tuple[int, ...]:
-    """The tokenizer's eos id, then every other `eos_token_id` of generation_config.json."""
-    folder = Path(folder)
-    ids: list[int] = []
-    eos = _token_text(read_tokenizer_config(folder).get("eos_token"))
-    if eos is not None:
-        tid = tokenizer.token_to_id(eos)
-        if tid is None:
-            raise DataError(
-                f"{folder / 'tokenizer_config.json'}: eos_token {eos!r} is not in tokenizer.json"
-            )
-        ids.append(int(tid))
-    gen_path = folder / "generation_config.json"
-    if gen_path.is_file():
-        gen = json.loads(gen_path.read_text()).get("eos_token_id")
-        for tid in gen if isinstance(gen, list) else [] if gen is None else [gen]:
-            if int(tid) not in ids:
-                ids.append(int(tid))
-    if not ids:
-        try:
-            ids.append(eos_token_id(tokenizer))
-        except ValueError as e:
-            raise DataError(
-                f"{folder}: no eos token (set eos_token in tokenizer_config.json or "
-                f"eos_token_id in generation_config.json): {e}"
-            ) from e
-    return tuple(ids)
 
 
 class PromptFormat:

@@ -70,7 +70,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
         # the weights it serves, before any sampling.
         return EmbeddedBackend(
             policy.cfg, policy.graphdef, None,
-            recipe=r.recipe, eos_id=policy.eos_id, weight_version="base",
+            recipe=r.recipe, eos_id=policy.stop_ids, weight_version="base",
             export_format=push_format(r), export_root=root, max_num_seqs=r.max_num_seqs,
             kv_cache_dtype=r.kv_cache_dtype,
         )  # fmt: skip

@@ -16,12 +16,11 @@ import jax.numpy as jnp
 from jfp8rl.config import Config, ConfigError, load_config
 from jfp8rl.data.stream import build_datasets
 from jfp8rl.data.tasks import BUILTIN_TASKS
-from jfp8rl.data.templates import stop_token_ids
 from jfp8rl.parallel import distributed
 from jfp8rl.trainer.checkpoint import restore_params
 from jfp8rl.trainer.warmstart import ensure_base_policy
 from models.hf_io import load_hf, save_hf
-from models.tokenizer import load_tokenizer
+from models.tokenizer import load_tokenizer, stop_token_ids
 
 # Files of the base policy's folder that carry prompt / stop-token behaviour.
 _TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -35,7 +34,7 @@ class Policy:
     graphdef: Any
     params: Any
     tokenizer: Any
-    eos_id: int
+    stop_ids: tuple[int, ...]  # end-of-turn ids (`models.tokenizer.stop_token_ids`)
     path: Path
 
 
@@ -43,7 +42,7 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
     """The base policy: `model.path`, or the cached warm-started tiny policy. With `mesh`,
     each param is loaded straight into its sharding (no full model on one device)."""
     if cfg.model.path:
-        path = Path(cfg.model.path)
+        path = Path(cfg.model.path).expanduser()  # `~/...` as a shell would read it
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path}: no config.json there (need an HF folder)")
     else:
@@ -70,7 +69,7 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
         attention=m.attention,
     )  # fmt: skip
     tok = load_tokenizer(path)
-    return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok)[0], path)
+    return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok), path)
 
 
 def save_policy_folder(

@@ -43,7 +43,7 @@ import dataclasses
 import secrets
 import shutil
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ from models.config import ModelConfig
 from models.fp8 import Recipe, get_recipe
 from models.hf_io import load_hf
 from models.kv_quant import KVScales
-from models.tokenizer import eos_token_id, load_tokenizer
+from models.tokenizer import stop_token_ids
 from rollout_bridge.backend import (
     Completion,
     HFTensors,
@@ -99,7 +99,10 @@ class EmbeddedBackend(RolloutBackend):
         refuse until then.
       recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
         "fp8_row" too).
-      eos_id: the tokenizer's eos id; generation stops on it unless `ignore_eos`. None: no eos.
+      eos_id: the model's end-of-turn ids, one int or several (`models.tokenizer.stop_token_ids`
+        of its folder: the tokenizer's eos and every `eos_token_id` of config.json and
+        generation_config.json); generation stops on any of them unless `ignore_eos`, also for
+        a request that names no stop ids, as vLLM does. None: no eos.
       max_len: longest prompt + response, in tokens (default `cfg.max_position_embeddings`).
       weight_version: version label of `params` ("default", as vLLM reports before any push).
       export_root: where `push_weights` writes its exports (one version is kept). Default: a
@@ -125,7 +128,7 @@ class EmbeddedBackend(RolloutBackend):
         params: Any | None,
         *,
         recipe: str | Recipe = "fp8_block",
-        eos_id: int | None,
+        eos_id: int | Iterable[int] | None,
         max_len: int | None = None,
         weight_version: str = "default",
         export_root: str | Path | None = None,
@@ -151,7 +154,8 @@ class EmbeddedBackend(RolloutBackend):
         # `device_put` to the same placement returns the same buffers, so holding the caller's
         # arrays could leave the engine with deleted ones. None: no weights until a push.
         self.params = None if params is None else jax.tree.map(jnp.copy, params)
-        self.eos_id = eos_id
+        ids = [] if eos_id is None else [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+        self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in ids))
         self.max_len = int(max_len or cfg.max_position_embeddings)
         self.max_num_seqs = int(max_num_seqs)
         # The engine loads an export right after writing it, so one version on disk is enough;
@@ -179,9 +183,10 @@ class EmbeddedBackend(RolloutBackend):
         """Loads an HF folder (config.json, safetensors, tokenizer.json), as vLLM would.
 
         `config_overrides` set non-HF config fields (e.g. {"compute_dtype": jnp.float32});
-        other keyword arguments go to the constructor (eos_id defaults to the tokenizer's)."""
+        other keyword arguments go to the constructor (eos_id defaults to the folder's
+        end-of-turn ids, `models.tokenizer.stop_token_ids`)."""
         cfg, graphdef, params = load_hf(model_dir, **dict(config_overrides or {}))
-        kwargs.setdefault("eos_id", eos_token_id(load_tokenizer(model_dir)))
+        kwargs.setdefault("eos_id", stop_token_ids(model_dir))
         return cls(cfg, graphdef, params, recipe=recipe, **kwargs)
 
     # -- RolloutBackend --------------------------------------------------------------------
@@ -222,8 +227,8 @@ class EmbeddedBackend(RolloutBackend):
             check_ids(p, self.cfg.vocab_size, f"prompt {i}")
         check_ids(sp.stop_token_ids, self.cfg.vocab_size, "stop_token_ids")
         stops = set(sp.stop_token_ids)
-        if self.eos_id is not None and not sp.ignore_eos:
-            stops.add(self.eos_id)
+        if not sp.ignore_eos:
+            stops.update(self.eos_ids)
         seed = secrets.randbits(64) if sp.seed is None else int(sp.seed) % (1 << 64)
         out: list[Completion] = []
         for rows in row_chunks(len(prompts) * sp.n, self.max_num_seqs):

@@ -26,6 +26,13 @@ Jobs (`kind`):
   `text` of the same with `tokenize=False`, the tokenizer's `eos_token_id` and
   `generation_eos_token_id` (`GenerationConfig.from_pretrained(folder).eos_token_id`, None
   without a generation_config.json).
+- `gguf`: `gguf_file` (a .gguf path; needs gguf and accelerate in this venv) loaded with
+  transformers' GGUF loader (f32, eager attention, the GGUF's own tokenizer), once, for all of:
+  `tokens` / `mask` -> `logits` as `logits`; `texts` -> `input_ids` as `tokenize`;
+  `conversations` -> `chat_ids` as `chat_template` (`chat_eos_token_id` its tokenizer's eos);
+  `prompts` (lists of ids), `max_new_tokens` -> `greedy`: each prompt's greedy answer of
+  `generate(do_sample=False)` alone (batch of one), new tokens only, with the generation
+  config's end of turn, and `generation_eos_token_id` that config's eos.
 """
 
 from __future__ import annotations
@@ -112,11 +119,43 @@ def job_chat_template(job: dict) -> tuple[dict, dict]:
     }, {}
 
 
+def job_gguf(job: dict) -> tuple[dict, dict]:
+    path = Path(job["gguf_file"])
+    kw = {"gguf_file": path.name}
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=torch.float32, attn_implementation="eager", **kw
+    ).eval()
+    meta: dict = {"eos_token_id": tok.eos_token_id}
+    arrays: dict = {}
+    if "tokens" in job:
+        arrays["logits"] = _logits(model, *_inputs(job))
+    meta["input_ids"] = [tok(t, add_special_tokens=True)["input_ids"] for t in job.get("texts", [])]
+    meta["chat_ids"] = [
+        [int(i) for i in tok.apply_chat_template(m, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False)]
+        for m in job.get("conversations", [])
+    ]  # fmt: skip
+    meta["generation_eos_token_id"] = model.generation_config.eos_token_id
+    greedy = []
+    for prompt in job.get("prompts", []):
+        ids = torch.tensor([prompt], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=int(job["max_new_tokens"]), pad_token_id=tok.pad_token_id,
+            )  # fmt: skip
+        greedy.append([int(t) for t in out[0, len(prompt) :]])
+    meta["greedy"] = greedy
+    return meta, arrays
+
+
 JOBS = {
     "logits": job_logits,
     "random_init": job_random_init,
     "tokenize": job_tokenize,
     "chat_template": job_chat_template,
+    "gguf": job_gguf,
 }
 
 

@@ -33,7 +33,7 @@ from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.weights.kv_scales import kv_scale_tensors
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOL = 1e-4  # fp32 server vs our fp32 model over the same FP8 cache
 
 

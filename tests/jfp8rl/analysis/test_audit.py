@@ -25,6 +25,9 @@ import numpy as np
 import pytest
 from tiny_run import TINY, small
 
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 RECIPES = (("bf16", "-"), ("fp8_tensor", "e4m3"), ("fp8_block", "e5m2"))
 
 

@@ -12,7 +12,9 @@ from jfp8rl.data.rewards import (
     exact_match,
     last_boxed,
     math_answer_parsed,
+    math_natural_reward,
     math_verify_reward,
+    natural_answer_parsed,
     overlong_penalty,
     score_responses,
     scratchpad_parsed,
@@ -87,3 +89,21 @@ def test_math_reward_boxed_and_unparsed() -> None:
         assert math_verify_reward(response, answer) == reward, response
         assert math_answer_parsed(response) is parsed, response
     assert ANSWER_PARSERS[math_verify_reward] is math_answer_parsed
+
+
+def test_math_natural_reward_reads_the_box_else_the_last_number() -> None:
+    cases = [  # (response, answer, reward, parsed), by hand
+        ("11 + 17 = 28", "28", 1.0, True),  # no box: the last number
+        ("11 + 17 = 22", "28", 0.0, True),
+        ("20 + 10 = 30\n\nThe answer is \\boxed{}.", "30", 1.0, True),  # empty box: number
+        ("It is 7, so \\boxed{30}", "30", 1.0, True),  # a box wins over later numbers
+        ("\\boxed{30} or maybe 31", "31", 0.0, True),
+        ("The total is 1,024.", "1024", 1.0, True),
+        ("Half: 0.5", "\\frac{1}{2}", 1.0, True),
+        ("-3 it is", "-3", 1.0, True),
+        ("no digits here", "3", 0.0, False),
+    ]
+    for response, answer, reward, parsed in cases:
+        assert math_natural_reward(response, answer) == reward, response
+        assert natural_answer_parsed(response) is parsed, response
+    assert ANSWER_PARSERS[math_natural_reward] is natural_answer_parsed

@@ -11,8 +11,8 @@ from chat_model import write_chat_model
 
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.records import DataError, Example
-from jfp8rl.data.templates import PromptFormat, check_prompt_template, stop_token_ids
-from models.tokenizer import build_byte_tokenizer, load_tokenizer, save_tokenizer
+from jfp8rl.data.templates import PromptFormat, check_prompt_template
+from models.tokenizer import build_byte_tokenizer, load_tokenizer, save_tokenizer, stop_token_ids
 
 REPO = Path(__file__).resolve().parents[3]
 DEEPSCALER = "{prompt} Let's think step by step and output the final answer within \\boxed{{}}."

@@ -29,7 +29,7 @@ from models.tokenizer import load_tokenizer
 
 # The real vLLM of the HTTP run is launched as the module starts: its start-up runs beside the
 # transformers jobs and the embedded run.
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("chat_vllm")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("chat_vllm")]
 
 SYSTEM = "You are a helpful assistant."
 PROBLEMS = [(f"What is {a} + {b}?", str(a + b)) for a, b in [(2, 3), (12, 30), (7, 8), (40, 2)]]

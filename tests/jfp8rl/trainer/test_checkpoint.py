@@ -35,6 +35,9 @@ from jfp8rl.trainer.checkpoint import (
 )
 from jfp8rl.trainer.loop import open_checkpoints, run
 
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 TIMING_PREFIXES = ("timing/", "throughput/")
 DAMAGES = ("cut", "flip", "delete")
 

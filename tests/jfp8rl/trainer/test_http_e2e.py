@@ -22,6 +22,9 @@ from jfp8rl.train import main
 from jfp8rl.trainer.checkpoint import Checkpointer
 from rollout_bridge.client.http_backend import HttpBackend
 
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests" / "rollout_bridge"))
 

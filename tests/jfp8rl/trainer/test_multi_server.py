@@ -48,6 +48,9 @@ from rollout_bridge.client.settings import ClientSettings
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))
 from bridge_support import Answer, FakeServer, ServeProcess  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 PROMPTS = [[49, 43, 50, 61], [72, 101, 108, 108, 111], [7] * 9, [51, 42, 52, 61], [65], [56] * 3]
 SAMPLING = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7)
 

@@ -36,6 +36,9 @@ from rollout_bridge.client.settings import ClientSettings
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))
 from bridge_support import ServeProcess  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 TIMING_PREFIXES = ("timing/", "throughput/")  # wall-clock metrics differ between runs
 
 

@@ -37,6 +37,9 @@ SECTION8 = [
     "throughput/tokens_per_s",
 ]  # fmt: skip
 # Wall-clock metrics differ between runs; everything else must match exactly on resume.
+pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
+
+
 TIMING_PREFIXES = ("timing/", "throughput/")
 
 

