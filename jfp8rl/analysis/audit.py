@@ -234,8 +234,8 @@ def audit_recipe(
     def new_logp(p, mb):
         def fwd(m):
             return {
-                "fp8": response_logprobs(graphdef, p, m, train_recipe)[0],
-                "bf16": response_logprobs(graphdef, p, m, shadow)[0],
+                "fp8": response_logprobs(graphdef, p, m, train_recipe, settings.temperature)[0],
+                "bf16": response_logprobs(graphdef, p, m, shadow, settings.temperature)[0],
             }
 
         return map_micro(fwd, mb, k, dat)

@@ -40,6 +40,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         rejection=parse_rejection(a.rejection, a.rejection_threshold),
         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         length_buckets=length_buckets(cfg.max_sequence_tokens, cfg.train.length_buckets),
+        temperature=cfg.rollout.temperature,
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

@@ -96,12 +96,15 @@ def gather_response(
 
 
 def response_logprobs(
-    graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe
+    graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe, temperature: float
 ) -> tuple[Float[Array, "N R"], Float[Array, "N R"]]:
-    """(logp, entropy) of the response tokens under `recipe`, response-aligned."""
+    """(logp, entropy) of the response tokens under `recipe`, response-aligned, of the
+    distribution the rollout sampled from: logits / `temperature` (`rollout.temperature`), as
+    verl scores them, so the ratios against the rollout's logprobs compare like with like."""
     lp, ent = mf.token_logprobs_and_entropy(
-        graphdef, params, batch["tokens"], batch["attention_mask"], recipe=recipe
-    )
+        graphdef, params, batch["tokens"], batch["attention_mask"], recipe=recipe,
+        temperature=temperature,
+    )  # fmt: skip
     r = batch["response_mask"].shape[1]
     return (
         gather_response(lp, batch["prompt_lens"], r),
@@ -180,11 +183,17 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
 
         def forwards(mb):
             out = {}
-            out["old_all"], out["entropy"] = response_logprobs(graphdef, params, mb, s.train_recipe)
+            out["old_all"], out["entropy"] = response_logprobs(
+                graphdef, params, mb, s.train_recipe, s.temperature
+            )
             if calibrate:
-                out["old_bf16"] = response_logprobs(graphdef, params, mb, s.shadow_recipe)[0]
+                out["old_bf16"] = response_logprobs(
+                    graphdef, params, mb, s.shadow_recipe, s.temperature
+                )[0]
             if ref_params is not None:
-                out["ref"] = response_logprobs(graphdef, ref_params, mb, s.train_recipe)[0]
+                out["ref"] = response_logprobs(
+                    graphdef, ref_params, mb, s.train_recipe, s.temperature
+                )[0]
             return out
 
         f = map_micro(forwards, {n: batch[n] for n in MODEL_INPUTS}, k, dat)
@@ -256,12 +265,12 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         params, i.e. before this update) and the loss."""
 
         def loss_fn(p):
-            logp, ent = response_logprobs(graphdef, p, mb, s.train_recipe)
+            logp, ent = response_logprobs(graphdef, p, mb, s.train_recipe, s.temperature)
             logp16 = None
             if calibrate:
-                logp16 = response_logprobs(graphdef, jax.lax.stop_gradient(p), mb, s.shadow_recipe)[
-                    0
-                ]
+                logp16 = response_logprobs(
+                    graphdef, jax.lax.stop_gradient(p), mb, s.shadow_recipe, s.temperature
+                )[0]
             cs, lo, hi, caux = bounds(calib_state, logp, logp16, mb, on_policy, calibrate)
             loss, aux = loss_terms(logp, ent, mb, lo, hi)
             return loss, (
@@ -275,9 +284,9 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
     def pre_forwards(params, m, calibrate):
         """No-gradient logprobs of a micro-batch for the bounds: FP8, and BF16 if calibrating."""
         sg = jax.lax.stop_gradient(params)
-        out = {"fp8": response_logprobs(graphdef, sg, m, s.train_recipe)[0]}
+        out = {"fp8": response_logprobs(graphdef, sg, m, s.train_recipe, s.temperature)[0]}
         if calibrate:
-            out["bf16"] = response_logprobs(graphdef, sg, m, s.shadow_recipe)[0]
+            out["bf16"] = response_logprobs(graphdef, sg, m, s.shadow_recipe, s.temperature)[0]
         return out
 
     def micro_grads(params, acc, m, lo, hi, den, algo):
@@ -285,7 +294,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         m = constrain(m, dat)
 
         def loss_fn(p):
-            logp, ent = response_logprobs(graphdef, p, m, s.train_recipe)
+            logp, ent = response_logprobs(graphdef, p, m, s.train_recipe, s.temperature)
             loss, _ = loss_terms(logp, ent, m, lo, hi, den, ratio_quantiles=(), algo=algo)
             return loss, (logp, ent)
 

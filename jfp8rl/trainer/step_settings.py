@@ -33,6 +33,7 @@ class StepSettings(NamedTuple):
     # device per micro-batch (0 = off) and the padded lengths they may take.
     max_tokens_per_micro_batch: int = 0
     length_buckets: tuple[int, ...] = ()
+    temperature: float = 1.0  # rollout.temperature: logprobs are scored at logits / temperature
 
 
 def default_settings(
@@ -52,6 +53,7 @@ def default_settings(
     rejection: tuple[rej.RejectionRule, ...] = (),
     max_tokens_per_micro_batch: int = 0,
     length_buckets: tuple[int, ...] = (),
+    temperature: float = 1.0,
 ) -> StepSettings:
     """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
     (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
@@ -71,4 +73,5 @@ def default_settings(
         rejection=rejection,
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         length_buckets=tuple(length_buckets),
+        temperature=temperature,
     )

@@ -109,6 +109,34 @@ def test_prepare_matches_numpy_reference(tiny) -> None:
     assert 0 < d.max() < 0.5
 
 
+def test_prepare_scores_at_the_rollout_temperature(tiny) -> None:
+    """Old logprobs are those of the distribution sampled from: log_softmax(logits / T)
+    (float64 numpy over the model's logits), as the rollout reports them."""
+    from models.fp8 import get_recipe
+
+    cfg, graphdef, params, fns_t1, batch = tiny
+    t = 0.7
+    fns = make_step_fns(
+        graphdef, _settings()._replace(temperature=t), OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999),
+        replicated_layout(make_mesh(), params),
+    )  # fmt: skip
+    out, _ = fns.prepare(params, None, put_batch(batch, make_mesh()), calibrate=True)
+    logits = np.asarray(mf.forward(graphdef, params, jnp.asarray(batch["tokens"]),
+                                   jnp.asarray(batch["attention_mask"]),
+                                   recipe=get_recipe("fp8_block")), np.float64) / t  # fmt: skip
+    logz = logits.max(-1, keepdims=True)
+    logz = logz + np.log(np.exp(logits - logz).sum(-1, keepdims=True))
+    m = batch["response_mask"]
+    want = np.zeros(m.shape)
+    for i, j in zip(*np.nonzero(m), strict=True):
+        pos = batch["prompt_lens"][i] + j  # logits at pos - 1 predict the token at pos
+        want[i, j] = logits[i, pos - 1, batch["tokens"][i, pos]] - logz[i, pos - 1, 0]
+    np.testing.assert_allclose(np.asarray(out["old_logp"]), want, rtol=0, atol=2e-5)
+    at_one, _ = fns_t1.prepare(params, None, put_batch(batch, make_mesh()), calibrate=True)
+    d = np.abs(np.asarray(out["old_logp"]) - np.asarray(at_one["old_logp"]))[m > 0]
+    assert d.max() > 1e-2  # the temperature is really applied
+
+
 def _update_inputs(fns, params, batch):
     out, _ = fns.prepare(params, None, put_batch(batch, make_mesh()))
     mb = {
