@@ -132,7 +132,7 @@ def _same(a, b) -> None:
     """Same tokens, finish reasons and versions; logprobs to 1e-5 but for rare FP8 rounding
     flips. A smaller batch is another compiled shape, whose f32 sums XLA orders differently
     (~1e-7 apart, measured); the servers' FP8 block recipe can turn that into one E4M3 step of
-    an activation, which moved one logprob of 15 by 1.7e-3 (measured): at most one in ten
+    an activation, which moved one logprob by 1.7e-3 (measured): at most one in ten
     entries may differ, by at most 1e-2."""
     assert len(a) == len(b)
     off = total = 0
