@@ -16,6 +16,7 @@ model's random weights, sharpened), `flip_tensor_bit` (tamper with one tensor of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -431,3 +433,17 @@ def bf16_reference(x: np.ndarray) -> np.ndarray:
     u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
     r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
     return r.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+@contextlib.contextmanager
+def serve_processes(model_dir: Path, logs: Path, n: int) -> Iterator[list[ServeProcess]]:
+    """`n` `rollout_bridge.serve` processes of `model_dir` started together (logs
+    `logs/serve<k>.log`), healthy on entry, killed on exit."""
+    procs = [ServeProcess(model_dir, logs / f"serve{k}.log") for k in range(n)]
+    try:
+        for p in procs:
+            p.wait_healthy()
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()

@@ -46,7 +46,7 @@ from rollout_bridge.client.pool import ServerPool
 from rollout_bridge.client.settings import ClientSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))
-from bridge_support import Answer, FakeServer, ServeProcess  # noqa: E402
+from bridge_support import Answer, FakeServer, ServeProcess, serve_processes  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
 
@@ -113,15 +113,8 @@ def _dropped(caplog: pytest.LogCaptureFixture, url: str) -> tuple[str, float]:
 
 @pytest.fixture(scope="module")
 def servers(base_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("serve_logs")
-    procs = [ServeProcess(base_policy_dir, logs / f"serve{k}.log") for k in range(3)]
-    try:
-        for p in procs:
-            p.wait_healthy()
+    with serve_processes(base_policy_dir, tmp_path_factory.mktemp("serve_logs"), 3) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def _version(url: str) -> str:

@@ -34,7 +34,7 @@ from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "rollout_bridge"))
-from bridge_support import ServeProcess  # noqa: E402
+from bridge_support import ServeProcess, serve_processes  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
 
@@ -44,15 +44,8 @@ TIMING_PREFIXES = ("timing/", "throughput/")  # wall-clock metrics differ betwee
 
 @pytest.fixture(scope="module")
 def two_servers(base_policy_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("serve_logs_off")
-    procs = [ServeProcess(base_policy_dir, logs / f"serve{k}.log") for k in range(2)]
-    try:
-        for p in procs:
-            p.wait_healthy()
+    with serve_processes(base_policy_dir, tmp_path_factory.mktemp("serve_logs_off"), 2) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.kill()
 
 
 def _argv(run_dir: Path, cache_dir: Path, policy: Path, urls: list[str], *extra: str) -> list[str]:
