@@ -84,7 +84,9 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
-def _json_file(path: Path) -> dict[str, Any]:
+def read_json_file(path: Path) -> dict[str, Any]:
+    """A model folder's JSON file as a dict ({} when absent); ValueError naming the file and
+    line when it is not valid JSON."""
     if not path.is_file():
         return {}
     try:
@@ -112,7 +114,7 @@ def stop_token_ids(model_dir: str | Path, tok: Tokenizer | None = None) -> tuple
     folder = Path(model_dir)
     tok = load_tokenizer(folder) if tok is None else tok
     ids: list[int] = []
-    eos = _json_file(folder / "tokenizer_config.json").get("eos_token")
+    eos = read_json_file(folder / "tokenizer_config.json").get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if isinstance(eos, str):
         tid = tok.token_to_id(eos)
@@ -122,7 +124,7 @@ def stop_token_ids(model_dir: str | Path, tok: Tokenizer | None = None) -> tuple
             )
         ids.append(int(tid))
     for name in ("config.json", "generation_config.json"):
-        for tid in _id_list(_json_file(folder / name).get("eos_token_id")):
+        for tid in _id_list(read_json_file(folder / name).get("eos_token_id")):
             if tid not in ids:
                 ids.append(tid)
     if not ids:

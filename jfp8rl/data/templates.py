@@ -45,7 +45,7 @@ from typing import Any
 
 from jfp8rl.data.records import DataError, Example
 from jfp8rl.data.stream import encode_texts
-from models.tokenizer import stop_token_ids
+from models.tokenizer import read_json_file, stop_token_ids
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -84,13 +84,10 @@ def _token_text(value: Any) -> str | None:
 
 def read_tokenizer_config(folder: str | Path) -> dict[str, Any]:
     """`<folder>/tokenizer_config.json` as a dict ({} when absent)."""
-    path = Path(folder) / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+        return read_json_file(Path(folder) / "tokenizer_config.json")
+    except ValueError as e:
+        raise DataError(str(e)) from e
 
 
 def find_chat_template(folder: str | Path) -> str | None:
