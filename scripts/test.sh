@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh machine: installs everything (project venv, the cached
 # vLLM venv of docs/rollout.md section 5), lints, then runs pytest. Extra args go to pytest.
-# The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in one process).
+# The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 3: on two cores a third
+# worker keeps them busy while the others wait on subprocesses and servers; 0: one process).
 # The real-model tests (marker real_model: SmolLM2 fetched and converted, ~15 CPU-minutes) run
 # only with JFP8RL_REAL_MODEL_TESTS=1.
 # Usage: scripts/test.sh [pytest args...]
@@ -16,4 +17,4 @@ fi
 .venv/bin/ruff format --check .
 MARKS="not real_model"
 if [ "${JFP8RL_REAL_MODEL_TESTS:-0}" = "1" ]; then MARKS=""; fi
-.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"

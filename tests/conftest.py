@@ -9,7 +9,7 @@ same machine loads the executables instead of compiling them. An executable is k
 program, compile options and jax/XLA version, so a hit runs the very program a compile would
 give; the numbers the tests compare do not change.
 
-Under pytest-xdist (`scripts/test.sh` runs two workers, `--dist loadgroup`) a test file is the
+Under pytest-xdist (`scripts/test.sh` runs three workers, `--dist loadgroup`) a test file is the
 unit of scheduling, so its module fixtures are built once; tests that share one session
 resource (a server) are grouped across files by their conftest. Files holding `slow` tests go
 first, so the long ones do not end up last on one worker while the other idles.

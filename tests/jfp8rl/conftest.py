@@ -1,16 +1,26 @@
-"""Shared fixtures of the trainer tests: one warm-started base policy for the whole session."""
+"""Shared fixtures of the trainer tests: one warm-started base policy for the whole session.
+
+Under pytest-xdist the workers share one cache folder (beside their own temporary folders) and
+take a file lock to build the policy: one worker trains it while the other waits, instead of
+both training the same policy side by side on the same cores.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from tiny_run import TINY, small
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("base_policies")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    if worker_id == "master":
+        return tmp_path_factory.mktemp("base_policies")
+    shared = tmp_path_factory.getbasetemp().parent / "base_policies"  # one per xdist session
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -20,4 +30,5 @@ def base_policy_dir(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     from jfp8rl.trainer.policy import load_policy
 
     cfg = load_config(TINY, small(tmp_path_factory.mktemp("unused"), cache_dir))
-    return load_policy(cfg, log=lambda msg: None).path
+    with FileLock(str(cache_dir / "build.lock")):
+        return load_policy(cfg, log=lambda msg: None).path

@@ -4,11 +4,12 @@ XLA_FLAGS must be set before jax starts, so the multi-device work runs in fresh 
 
 * `sharded_check.py`: one mini-batch's loss and grads, and the params after 3 calibrating
   optimizer updates (Calibrated Clipping's quantile and balance over the sharded batch), on
-  the meshes fsdp=8, fsdp=4 x tensor=2 and data=2 x fsdp=4, against the same programs on one
-  device; f32 compute. BF16 recipe: to 1e-5 (measured <= 1.7e-6, max relative to each leaf's
+  the meshes fsdp=4 x tensor=2 and data=2 x fsdp=4 (every mesh axis, each sharding the
+  params or the batch), against the same programs on one device; f32 compute. BF16 recipe: to 1e-5 (measured <= 1.7e-6, max relative to each leaf's
   largest entry). FP8 block recipe (measured on jax 0.11.2 CPU, all three meshes): loss and
   grads <= 8e-7, params after 3 updates 4.0e-4 (an FP8 rounding flip from f32 summation
-  order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3. And the
+  order, carried through Adam), bounds equal to 5e-7; asserted: 1e-5 and 2e-3. (`fsdp8`, the
+  FSDP axis alone over all 8 devices, is available to `sharded_check.py` too.) And the
   BF16 recipe with token-budget micro-batches (two bucket shapes) on data=2 x fsdp=4 against
   the whole mini-batch on one device, to the same 1e-5.
 * the trainer end to end (tiny config) on a fsdp=4 x tensor=2 mesh with 2 micro-batches per
@@ -84,7 +85,7 @@ def jobs(request: pytest.FixtureRequest, cache_dir: Path, tmp_path_factory):
     cores they run side by side (and beside this process: the base policy's warm start, the
     single-device run) rather than one after the other."""
     out = tmp_path_factory.mktemp("sharded")
-    meshes = "fsdp8,fsdp4_tensor2,data2_fsdp4"
+    meshes = "fsdp4_tensor2,data2_fsdp4"
     check = Job(out / "check", str(SUPPORT / "sharded_check.py"), f"bf16:{meshes}",
                 "fp8_block:fsdp4_tensor2", "bf16+budget:data2_fsdp4")  # fmt: skip
     request.getfixturevalue("base_policy_dir")  # the trainer reads it from cache_dir
@@ -99,7 +100,7 @@ def jobs(request: pytest.FixtureRequest, cache_dir: Path, tmp_path_factory):
 @pytest.mark.slow
 def test_sharded_step_matches_single_device(jobs) -> None:
     report = json.loads(jobs[0].last_line())
-    assert len(report) == 5
+    assert len(report) == 4
     for name, r in report.items():
         tol_params = 1e-5 if name.startswith("bf16:") else 2e-3
         for k, tol in (("loss", 1e-5), ("grads", 1e-5), ("params_after_3", tol_params)):
