@@ -1,7 +1,8 @@
 """The FP8 study's RL arms and its tables (docs/fp8_study.md), from commands.
 
-    python scripts/study_fp8.py commands [--seeds 0,1]
-        One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
+    python scripts/study_fp8.py commands [--seeds 0,1] [--config C] [--set "k=v k=v"]
+        One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml, or
+        `--config`, + the arm's overrides + `--set`'s, which come last).
     python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0] [--nice 10]
         Runs the arms' commands (at `nice -n NICE`), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
@@ -60,15 +61,24 @@ for _clip in ("plain", "hold"):
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
 
 
-def command(arm: str, seed: int, root: str = ROOT) -> list[str]:
-    """The training command of one arm and seed."""
+def command(
+    arm: str, seed: int, root: str = ROOT, config: str = CONFIG, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The training command of one arm and seed (`extra`: overrides after the arm's)."""
     return [
-        "python", "-m", "jfp8rl.train", "--config", CONFIG, f"run_dir={root}/{arm}_s{seed}",
-        f"train.seed={seed}", *ARMS[arm],
+        "python", "-m", "jfp8rl.train", "--config", config, f"run_dir={root}/{arm}_s{seed}",
+        f"train.seed={seed}", *ARMS[arm], *extra,
     ]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 10) -> None:
+def run_all(
+    jobs: list[tuple[str, int]],
+    parallel: int,
+    root: str,
+    nice: int = 10,
+    config: str = CONFIG,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Runs the commands, `parallel` at a time, at `nice -n nice`, each logging to its own
     file."""
     pending, live = list(jobs), []
@@ -80,10 +90,9 @@ def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 1
                 continue
             log = Path(root) / f"{arm}_s{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = ["nice", "-n", str(nice), sys.executable, *command(arm, seed, root)[1:]]
-            print(
-                f"[study] start {arm} s{seed}: {shlex.join(command(arm, seed, root))}", flush=True
-            )
+            argv = command(arm, seed, root, config, extra)
+            cmd = ["nice", "-n", str(nice), sys.executable, *argv[1:]]
+            print(f"[study] start {arm} s{seed}: {shlex.join(argv)}", flush=True)
             live.append(
                 (
                     arm,
@@ -284,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--arms", default=",".join(ARMS))
         p.add_argument("--seeds", default="0")
         p.add_argument("--root", default=ROOT)
+        p.add_argument("--config", default=CONFIG, help="run config (default: %(default)s)")
+        p.add_argument("--set", default="", help="space-separated overrides after the arm's")
         if name == "run":
             p.add_argument("--jobs", type=int, default=3)
             p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
@@ -313,11 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown arms {unknown}; arms: {list(ARMS)}", file=sys.stderr)
         return 2
     jobs = [(a, int(s)) for s in args.seeds.split(",") for a in arms]
+    extra = tuple(args.set.split())
     if args.cmd == "commands":
         for arm, seed in jobs:
-            print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root))}")
+            print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root, args.config, extra))}")
         return 0
-    run_all(jobs, args.jobs, args.root, args.nice)
+    run_all(jobs, args.jobs, args.root, args.nice, args.config, extra)
     return 0
 
 
