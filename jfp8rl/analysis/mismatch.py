@@ -7,8 +7,9 @@ trainer recipe S) pairing, with the same weights on both sides, this module repo
 as the trainer computes it (the trainer's own `prepare` program) and splits it into sources
 along a chain of log-probabilities of the same tokens:
 
-    rollout_logp   the engine's: KV-cache prefill + one-token decode steps, the engine's batch
-                   (rows and prompt padding of its bucket), recipe R, logits / T
+    rollout_logp   the engine's: the weights as the run's push delivers them, KV-cache
+                   prefill + one-token decode steps, the engine's batch (rows and prompt
+                   padding of its bucket), recipe R, logits / T
     whole_R        one full teacher-forced forward of the whole batch (the trainer's layout),
                    recipe R, logits / T
     old_R          the trainer's `prepare` (its micro-batches), recipe R, logits / T
@@ -16,9 +17,9 @@ along a chain of log-probabilities of the same tokens:
 
 k1 is a mean of differences, so it telescopes exactly:
 
-    rollout_corr/kl(R, S) = k1(rollout_logp, whole_R)   "decode": KV-cache decode vs the full
-                                                         forward (shapes, attention kernel,
-                                                         summation order)
+    rollout_corr/kl(R, S) = k1(rollout_logp, whole_R)   "decode": the engine vs the full
+                                                         forward (served weights, shapes,
+                                                         attention kernel, summation order)
                           + k1(whole_R, old_R)          "batch": the same forward in the
                                                          trainer's micro-batches (row count
                                                          changes XLA's summation order and a
@@ -38,7 +39,7 @@ whole runs of the command with one setting changed, so the rows of the runs comp
 like: the compute dtype (`model.compute_dtype=bfloat16`), the weight-push format
 (`rollout.export_format=fp32` against the block recipe's default FP8 checkpoint, which the
 engine re-quantizes on install), and power-of-two scales (`RECIPE+pow2` in a pairing, both
-sides).
+sides). `requantization_drift` measures the weight side of the push directly.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer
 from jfp8rl.trainer.step import gather_response, make_step_fns
 from losses.rollout_correction import mismatch_metrics
+from models import fp8
 from models import functional as mf
 from models.fp8 import RECIPES, Recipe, get_recipe
 from rollout_bridge.engine.embedded import EmbeddedBackend
+from rollout_bridge.engine.params import kernel_paths, node
 
 # The pairings of the study: (rollout recipe, trainer recipe).
 PAIRINGS: tuple[tuple[str, str], ...] = (
@@ -164,6 +167,37 @@ def split_row(
         row |= {f"{name}_{k}": v for k, v in term(a, b, mask).items()}
     row["sum_k1"] = sum(row[f"{t}_k1"] for t in TERMS)
     return row
+
+
+def requantization_drift(cfg: Any, params: Any, recipe: Recipe) -> dict[str, float]:
+    """What the block recipe's FP8 weight push does to the weights the engine computes with.
+
+    The push exports each decoder kernel as (q, s) = `fp8.quantize_weight` (the trainer's
+    quantizer), so q * s is exactly the trainer's operand; the engine expands it and quantizes
+    it again with the same recipe on install. The second quantization computes its scale from
+    amax = 448 * s, and amax * (1/448) is not always s: returns the share of block scales that
+    move and of weight values that change (the rest of each moved block changes by one f32 ulp
+    of its scale), with `exact_export` 1.0 when q * s equals the trainer's operand everywhere."""
+    tile = fp8.weight_tile(recipe)
+    n_w = n_w_moved = n_s = n_s_moved = exact = layers = 0
+    for path in kernel_paths(cfg):
+        w = node(params, path).get_value()
+        for w_l in w.reshape(-1, *w.shape[-2:]):  # per layer: [in, out]
+            operand = fp8.fake_quantize_weight(w_l, recipe)
+            q, s = fp8.quantize_weight(w_l.T, recipe)
+            served = fp8.dequantize(q, s, tile).T
+            again = fp8.fake_quantize_weight(served, recipe)
+            n_w += operand.size
+            n_w_moved += int(jnp.sum(again != operand))
+            n_s += s.size
+            n_s_moved += int(jnp.sum(fp8.quantize_weight(served.T, recipe)[1] != s))
+            exact += int(bool(jnp.all(served == operand)))
+            layers += 1
+    return {
+        "scales_moved_share": n_s_moved / max(n_s, 1),
+        "weights_changed_share": n_w_moved / max(n_w, 1),
+        "exact_export": exact / max(layers, 1),
+    }
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("recipe", "temperature", "resp"))
@@ -305,6 +339,7 @@ def run_mismatch(
         t.backend.close()  # each rollout recipe gets its own engine (`sample`)
         arrays: dict[str, np.ndarray] = {}
         rows = measure(t, state, pairings, log, arrays)
+        drift = requantization_drift(t.policy.cfg, state["params"], get_recipe("fp8_block"))
     finally:
         t.ckpt.close()
         t.metrics.close()
@@ -317,6 +352,13 @@ def run_mismatch(
         f"push format {r.export_format or 'the recipe default'}, kv cache {r.kv_cache_dtype}; "
         f"{time.perf_counter() - t0:.0f} s"
     )
+    header += (
+        f"\n\nfp8_block weight push, re-quantized by the engine on install: "
+        f"{drift['scales_moved_share']:.3f} of block scales move, "
+        f"{drift['weights_changed_share']:.3f} of weight values change "
+        f"(export q * s equal to the trainer's operand in {drift['exact_export']:.3f} of layers)"
+    )
+    (out / "requantization.json").write_text(json.dumps(drift, indent=1) + "\n")
     (out / "mismatch.json").write_text(json.dumps(rows, indent=1) + "\n")
     np.savez_compressed(out / "arrays.npz", **arrays)
     (out / "mismatch.md").write_text(header + "\n\n" + markdown(rows))

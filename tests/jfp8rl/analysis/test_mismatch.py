@@ -101,6 +101,10 @@ def test_on_the_tiny_policy(base_policy_dir, cache_dir, tmp_path) -> None:
         if rs in ("bf16", "fp8_block"):
             assert row["batch_abs_max"] == 0.0  # batch-invariant at these shapes
         assert row["temperature_k1"] != 0.0  # T = 0.8: scoring at 1 would differ
+    drift = json.loads((tmp_path / "requantization.json").read_text())
+    assert drift["exact_export"] == 1.0  # the FP8 export's q * s is the trainer's operand
+    assert 0.0 <= drift["weights_changed_share"] <= 1.0
+    assert 0.0 <= drift["scales_moved_share"] <= 1.0
     bf16 = rows[0]
     # f32 compute without FP8: decode equals the full forward up to summation order.
     assert bf16["decode_abs_max"] < 1e-4
