@@ -28,7 +28,9 @@ k1 is a mean of differences, so it telescopes exactly:
 
 With FP8 recipes the first two terms are where float32 rounding noise flips FP8 roundings (one
 E4M3 step is 2^-3 relative, against 2^-24 of a float32 ulp), so they measure the amplification
-of summation order by FP8; the same terms of the bf16 recipe are the noise without it. Each
+of summation order by FP8; the same terms of the bf16 recipe are the noise without it. `ulp_*` measure that
+amplification directly: the whole-batch forward of recipe R with every parameter nudged by
+about one float32 ulp (`nudged`) against the same forward without. Each
 term also carries its k3 (`rollout_corr/k3_kl`), the mean and largest |difference| of the token
 log-probabilities and the share of tokens where the two agree bit for bit.
 
@@ -101,6 +103,8 @@ COLUMNS = (
     ("recipe mean abs", "recipe_abs_mean", ".2e"),
     ("decode exact share", "decode_exact_share", ".3f"),
     ("batch exact share", "batch_exact_share", ".3f"),
+    ("1-ulp nudge k1", "ulp_k1", ".2e"),
+    ("1-ulp nudge mean abs", "ulp_abs_mean", ".2e"),
     ("temperature k1", "temperature_k1", ".2e"),
     ("tokens", "tokens", "d"),
 )
@@ -207,6 +211,20 @@ def _whole_logp(graphdef, params, tokens, mask, prompt_lens, *, recipe, temperat
     return gather_response(lp, prompt_lens, resp)
 
 
+def nudged(params: Any) -> Any:
+    """`params` with every float multiplied by 1 + 2^-22 (one or two float32 ulps): the
+    `ulp_*` columns compare the whole-batch forward of these with that of `params`, how far a
+    float32 perturbation alone moves the recipe's log-probabilities (FP8 rounds it into
+    whole E4M3 steps wherever it crosses a rounding boundary)."""
+
+    def one(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return (x.astype(jnp.float32) * jnp.float32(1.0 + 2.0**-22)).astype(x.dtype)
+
+    return jax.tree.map(one, params)
+
+
 def whole_logp(t: Trainer, params: Any, batch: RolloutBatch, recipe: Recipe, temp: float):
     """`_whole_logp` of `batch` on host (float32)."""
     out = _whole_logp(
@@ -284,6 +302,7 @@ def measure(
         batch = sample(t, state, rec_r)
         mask = batch.response_mask
         whole_r = whole_logp(t, params, batch, rec_r, temp)
+        ulp = term(whole_r, whole_logp(t, nudged(params), batch, rec_r, temp), mask)
         old_r, _ = prepared(rec_r, batch)
         keep |= {f"{rspec}/mask": mask, f"{rspec}/rollout_logp": batch.rollout_logp,
                  f"{rspec}/whole": whole_r}  # fmt: skip
@@ -297,6 +316,7 @@ def measure(
             row["rollout_corr/kl"] = mets["rollout_corr/kl"]
             row["rollout_corr/k3_kl"] = mets["rollout_corr/k3_kl"]
             row |= split_row(batch.rollout_logp, whole_r, old_r, old_s, mask)
+            row |= {"ulp_k1": ulp["k1"], "ulp_abs_mean": ulp["abs_mean"]}
             row["temperature_k1"] = 0.0
             if temp != 1.0:  # what scoring at temperature 1 (not T) would add
                 whole_s = whole_logp(t, params, batch, rec_s, temp)
