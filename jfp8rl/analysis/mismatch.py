@@ -28,11 +28,11 @@ k1 is a mean of differences, so it telescopes exactly:
 
 With FP8 recipes the first two terms are where float32 rounding noise flips FP8 roundings (one
 E4M3 step is 2^-3 relative, against 2^-24 of a float32 ulp), so they measure the amplification
-of summation order by FP8; the same terms of the bf16 recipe are the noise without it. `ulp_*` measure that
-amplification directly: the whole-batch forward of recipe R with every parameter nudged by
-about one float32 ulp (`nudged`) against the same forward without. Each
-term also carries its k3 (`rollout_corr/k3_kl`), the mean and largest |difference| of the token
-log-probabilities and the share of tokens where the two agree bit for bit.
+of summation order by FP8; the same terms of the bf16 recipe are the noise without it. The
+`ulp_*` columns measure that amplification directly: the whole-batch forward of recipe R with
+every parameter nudged by about one float32 ulp (`nudged`) against the same forward without.
+Each term also carries its k3 (`rollout_corr/k3_kl`), the mean and largest |difference| of the
+token log-probabilities and the share of tokens where the two agree bit for bit.
 
 The sampling transform: the trainer scores at logits / `rollout.temperature`, as the engine
 samples. `temperature_k1` is what scoring at temperature 1 instead would add (the whole-batch
@@ -325,8 +325,10 @@ def measure(
             row["tokens"] = int(mask.sum())
             row["temperature"] = temp
             rows.append(row)
+            took = time.perf_counter() - t0
+            eta = took / len(rows) * (len(pairings) - len(rows))
             log(f"[mismatch] {rspec}/{sspec}: rollout_corr/kl {row['rollout_corr/kl']:.3e} "
-                f"({len(rows)}/{len(pairings)}, {time.perf_counter() - t0:.0f} s)")  # fmt: skip
+                f"({len(rows)}/{len(pairings)}, {took:.0f} s, ETA {eta:.0f} s)")  # fmt: skip
     return rows
 
 
