@@ -13,6 +13,9 @@
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
         time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
         runs (matched seeds for a side-by-side comparison).
+    python scripts/study_fp8.py steps [--root runs/study] [--arms a,b]
+        One row per run and step (reward, mismatch KL, clip shares by sign, L / H, entropy,
+        eval accuracy where the step evaluated), in markdown: short runs step by step.
     python scripts/study_fp8.py audit-diff DIR_A DIR_B [DIR_C ...]
         `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and RL
         checkpoints), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
@@ -225,6 +228,39 @@ def table(root: str, arms: list[str] | None = None, seeds: list[str] | None = No
     return "\n".join(out)
 
 
+# Per-step columns of `steps`: (header, metrics key, format).
+STEP_COLUMNS = (
+    ("reward", "reward/mean", "{:.3f}"),
+    ("rollout_corr/kl", "rollout_corr/kl", "{:.2e}"),
+    ("k3", "rollout_corr/k3_kl", "{:.2e}"),
+    ("A<0 below L (of N)", "actor/clipfrac_neg_lower_of_neg", "{:.3f}"),
+    ("A>0 above H (of P)", "actor/clipfrac_pos_upper_of_pos", "{:.3f}"),
+    ("L", "calib/lower", "{:.3f}"),
+    ("H", "calib/upper", "{:.3f}"),
+    ("entropy", "actor/entropy", "{:.3f}"),
+    ("eval acc", "eval/accuracy", "{:.3f}"),
+    ("step s", "timing/step_s", "{:.0f}"),
+)
+
+
+def steps_table(root: str, arms: list[str] | None = None) -> str:
+    """Markdown: one row per (run, step) of every run folder under `root` (`arms`: only the
+    folders whose arm is listed), STEP_COLUMNS; "-" where the step did not log the key."""
+    lines = [
+        "| run | step | " + " | ".join(h for h, _, _ in STEP_COLUMNS) + " |",
+        "|" + "---|" * (len(STEP_COLUMNS) + 2),
+    ]
+    for p in sorted(Path(root).iterdir()):
+        if not (p / "metrics.jsonl").is_file():
+            continue
+        if arms and p.name.rpartition("_s")[0] not in arms:
+            continue
+        for r in _records(p):
+            cells = [f.format(r[k]) if r.get(k) is not None else "-" for _, k, f in STEP_COLUMNS]
+            lines.append(f"| {p.name} | {r['step']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # (column header, function of one audit row, format): the FP8 effect on one batch.
 AUDIT_DIFF = (
     ("noise floor", lambda r: r["noise_floor"], "{:.2e}"),
@@ -302,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--root", default=ROOT)
     t.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
     t.add_argument("--seeds", default="", help="comma-separated seeds to keep (default: all)")
+    st = sub.add_parser("steps")
+    st.add_argument("--root", default=ROOT)
+    st.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
     c.add_argument("--dest", default="results/study/arms")
@@ -310,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "audit-diff":
         print(audit_diff(args.dirs), end="")
+        return 0
+    if args.cmd == "steps":
+        print(steps_table(args.root, [x for x in args.arms.split(",") if x] or None), end="")
         return 0
     if args.cmd == "collect":
         collect(args.root, args.dest)
