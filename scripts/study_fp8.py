@@ -1,7 +1,8 @@
 """The FP8 study's RL arms and its tables (docs/fp8_study.md), from commands.
 
-    python scripts/study_fp8.py commands [--seeds 0,1]
-        One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml + overrides).
+    python scripts/study_fp8.py commands [--seeds 0,1] [--config C] [--set "k=v k=v"]
+        One `python -m jfp8rl.train` command per arm (configs/study_scratchpad.yaml, or
+        `--config`, + the arm's overrides + `--set`'s, which come last).
     python scripts/study_fp8.py run --jobs 3 [--arms a,b] [--seeds 0] [--nice 10]
         Runs the arms' commands (at `nice -n NICE`), `--jobs` at a time, logging each to
         runs/study/<arm>_s<seed>.log; skips arms whose run folder has a summary.json.
@@ -12,6 +13,9 @@
         accuracy, peak entropy, garbled rate, clip shares by sign, L / H, mismatch KL, wall
         time) from each run's metrics.jsonl, in markdown; `--arms` / `--seeds` keep only those
         runs (matched seeds for a side-by-side comparison).
+    python scripts/study_fp8.py steps [--root runs/study] [--arms a,b]
+        One row per run and step (reward, mismatch KL, clip shares by sign, L / H, entropy,
+        eval accuracy where the step evaluated), in markdown: short runs step by step.
     python scripts/study_fp8.py audit-diff DIR_A DIR_B [DIR_C ...]
         `python -m jfp8rl.audit` outputs side by side (e.g. the base policy and RL
         checkpoints), matched by (recipe, grad, updates): noise floor, ratio spreads, and the
@@ -60,15 +64,24 @@ for _clip in ("plain", "hold"):
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
 
 
-def command(arm: str, seed: int, root: str = ROOT) -> list[str]:
-    """The training command of one arm and seed."""
+def command(
+    arm: str, seed: int, root: str = ROOT, config: str = CONFIG, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The training command of one arm and seed (`extra`: overrides after the arm's)."""
     return [
-        "python", "-m", "jfp8rl.train", "--config", CONFIG, f"run_dir={root}/{arm}_s{seed}",
-        f"train.seed={seed}", *ARMS[arm],
+        "python", "-m", "jfp8rl.train", "--config", config, f"run_dir={root}/{arm}_s{seed}",
+        f"train.seed={seed}", *ARMS[arm], *extra,
     ]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 10) -> None:
+def run_all(
+    jobs: list[tuple[str, int]],
+    parallel: int,
+    root: str,
+    nice: int = 10,
+    config: str = CONFIG,
+    extra: tuple[str, ...] = (),
+) -> None:
     """Runs the commands, `parallel` at a time, at `nice -n nice`, each logging to its own
     file."""
     pending, live = list(jobs), []
@@ -80,10 +93,9 @@ def run_all(jobs: list[tuple[str, int]], parallel: int, root: str, nice: int = 1
                 continue
             log = Path(root) / f"{arm}_s{seed}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
-            cmd = ["nice", "-n", str(nice), sys.executable, *command(arm, seed, root)[1:]]
-            print(
-                f"[study] start {arm} s{seed}: {shlex.join(command(arm, seed, root))}", flush=True
-            )
+            argv = command(arm, seed, root, config, extra)
+            cmd = ["nice", "-n", str(nice), sys.executable, *argv[1:]]
+            print(f"[study] start {arm} s{seed}: {shlex.join(argv)}", flush=True)
             live.append(
                 (
                     arm,
@@ -216,6 +228,39 @@ def table(root: str, arms: list[str] | None = None, seeds: list[str] | None = No
     return "\n".join(out)
 
 
+# Per-step columns of `steps`: (header, metrics key, format).
+STEP_COLUMNS = (
+    ("reward", "reward/mean", "{:.3f}"),
+    ("rollout_corr/kl", "rollout_corr/kl", "{:.2e}"),
+    ("k3", "rollout_corr/k3_kl", "{:.2e}"),
+    ("A<0 below L (of N)", "actor/clipfrac_neg_lower_of_neg", "{:.3f}"),
+    ("A>0 above H (of P)", "actor/clipfrac_pos_upper_of_pos", "{:.3f}"),
+    ("L", "calib/lower", "{:.3f}"),
+    ("H", "calib/upper", "{:.3f}"),
+    ("entropy", "actor/entropy", "{:.3f}"),
+    ("eval acc", "eval/accuracy", "{:.3f}"),
+    ("step s", "timing/step_s", "{:.0f}"),
+)
+
+
+def steps_table(root: str, arms: list[str] | None = None) -> str:
+    """Markdown: one row per (run, step) of every run folder under `root` (`arms`: only the
+    folders whose arm is listed), STEP_COLUMNS; "-" where the step did not log the key."""
+    lines = [
+        "| run | step | " + " | ".join(h for h, _, _ in STEP_COLUMNS) + " |",
+        "|" + "---|" * (len(STEP_COLUMNS) + 2),
+    ]
+    for p in sorted(Path(root).iterdir()):
+        if not (p / "metrics.jsonl").is_file():
+            continue
+        if arms and p.name.rpartition("_s")[0] not in arms:
+            continue
+        for r in _records(p):
+            cells = [f.format(r[k]) if r.get(k) is not None else "-" for _, k, f in STEP_COLUMNS]
+            lines.append(f"| {p.name} | {r['step']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # (column header, function of one audit row, format): the FP8 effect on one batch.
 AUDIT_DIFF = (
     ("noise floor", lambda r: r["noise_floor"], "{:.2e}"),
@@ -284,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--arms", default=",".join(ARMS))
         p.add_argument("--seeds", default="0")
         p.add_argument("--root", default=ROOT)
+        p.add_argument("--config", default=CONFIG, help="run config (default: %(default)s)")
+        p.add_argument("--set", default="", help="space-separated overrides after the arm's")
         if name == "run":
             p.add_argument("--jobs", type=int, default=3)
             p.add_argument("--nice", type=int, default=10, help="niceness of the runs")
@@ -291,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--root", default=ROOT)
     t.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
     t.add_argument("--seeds", default="", help="comma-separated seeds to keep (default: all)")
+    st = sub.add_parser("steps")
+    st.add_argument("--root", default=ROOT)
+    st.add_argument("--arms", default="", help="comma-separated arms to keep (default: all)")
     c = sub.add_parser("collect")
     c.add_argument("--root", default=ROOT)
     c.add_argument("--dest", default="results/study/arms")
@@ -299,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "audit-diff":
         print(audit_diff(args.dirs), end="")
+        return 0
+    if args.cmd == "steps":
+        print(steps_table(args.root, [x for x in args.arms.split(",") if x] or None), end="")
         return 0
     if args.cmd == "collect":
         collect(args.root, args.dest)
@@ -313,11 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown arms {unknown}; arms: {list(ARMS)}", file=sys.stderr)
         return 2
     jobs = [(a, int(s)) for s in args.seeds.split(",") for a in arms]
+    extra = tuple(args.set.split())
     if args.cmd == "commands":
         for arm, seed in jobs:
-            print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root))}")
+            print(f"PYTHONPATH=. {shlex.join(command(arm, seed, args.root, args.config, extra))}")
         return 0
-    run_all(jobs, args.jobs, args.root, args.nice)
+    run_all(jobs, args.jobs, args.root, args.nice, args.config, extra)
     return 0
 
 

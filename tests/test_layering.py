@@ -17,7 +17,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("models", "losses", "rollout_bridge", "jfp8rl")
-COMMANDS = {f"jfp8rl.{c}" for c in ("train", "eval", "export", "plan", "audit", "report")}
+COMMANDS = {
+    f"jfp8rl.{c}" for c in ("train", "eval", "export", "plan", "audit", "mismatch", "report")
+}
 
 # Lowest first; a module belongs to the longest prefix that names it.
 LAYERS = (
