@@ -170,7 +170,6 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
             distributed.on_main(lambda: log_base_eval(t))
             log_memory(t.log, "eval 0")
             stage_checkpoint(t, state, p, force=True)
-            log_memory(t.log, "checkpoint 0")
         while p.step < stop_at:
             train_step(t, state, p, stop_at)
     except RolloutError as e:
@@ -195,6 +194,7 @@ def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> di
     summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
         summary["hf_final"] = str(stage_export(t, state, p))
+        log_memory(t.log, "export")
     if not distributed.is_main():
         return summary
     recs = read_metrics(run_dir)
