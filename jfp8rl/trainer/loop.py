@@ -143,6 +143,7 @@ def setup(
     cfg: Config, resume: str, log: Any, out: Any
 ) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
     """Builds the trainer and its state (fresh or from the latest checkpoint), stage by stage."""
+    log_memory(log, "start")
     run_dir = open_run_dir(cfg)
     mesh = build_mesh(cfg)
     policy = load_policy(cfg, log, mesh)
