@@ -4,15 +4,16 @@ A folder holds `config.json`, `model.safetensors` or shards (`model-0000k-of-000
 + `model.safetensors.index.json`), and the tokenizer files (`models.tokenizer`). Nothing is
 downloaded. The tensors go through the name map of `models.hf_state` (whose conversions are
 re-exported here). safetensors headers are parsed here (a small, documented format) so that
-BF16/FP8 shards read through ml_dtypes without monkey-patching `safetensors.numpy`; writing
-uses `safetensors.numpy`.
+BF16/FP8 shards read through ml_dtypes without monkey-patching `safetensors.numpy`, and float32
+shards are written tensor by tensor as they are fetched.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 from models import tokenizer as tokenizer_io
@@ -30,6 +30,7 @@ from models.functional import Params, abstract_model
 from models.hf_state import (
     from_hf_state_dict,
     hf_name_map,
+    hf_shapes,
     iter_hf_state,
     random_hf_state_dict,
     to_hf_state_dict,
@@ -41,6 +42,7 @@ from models.sharding import param_shardings
 __all__ = [
     "from_hf_state_dict",
     "hf_name_map",
+    "hf_shapes",
     "iter_hf_state",
     "load_hf",
     "load_hf_config",
@@ -161,6 +163,42 @@ def load_hf(
     return cfg, graphdef, params
 
 
+def write_planned_safetensors(
+    path: Path,
+    plan: list[tuple[str, tuple[int, ...]]],
+    stream: Iterator[tuple[str, np.ndarray]],
+    metadata: dict[str, str],
+) -> None:
+    """Writes the float32 tensors `plan` lists (name, shape), in that order, taking each from
+    `stream` as it comes, to the safetensors file `path`. The header is written first (its
+    offsets follow from the plan), so no tensor is held after it is written. A tensor that
+    is not the next one planned (name, shape or dtype) raises a ValueError naming both."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape in plan:
+        nbytes = 4 * math.prod(shape)
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data 8-byte aligned; the format allows the padding
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in plan:
+            got = next(stream, None)
+            x = None if got is None else np.asarray(got[1])
+            if got is None or got[0] != name or x.shape != shape or x.dtype != np.float32:
+                found = "nothing" if got is None else f"{got[0]!r} {x.shape} {x.dtype}"
+                raise ValueError(
+                    f"{path}: the tensors came out of order: expected {name!r} {shape} float32 "
+                    f"(hf_name_map order), got {found}"
+                )
+            f.write(np.ascontiguousarray(x, dtype="<f4").reshape(-1).view(np.uint8))
+
+
 def save_hf(
     folder: str | Path,
     cfg: ModelConfig,
@@ -176,8 +214,10 @@ def save_hf(
 
     Tensors are fetched one at a time (`iter_hf_state(cfg, params)`, or `tensors` when the
     caller passes that iterator itself, e.g. to finish its cross-process gathers after a
-    failed write: `jfp8rl.parallel.distributed.consume_on_main`) and each shard is written as soon as
-    it is full, so host memory holds at most one shard (5 GiB by default), not the model."""
+    failed write: `jfp8rl.parallel.distributed.consume_on_main`; it must yield the tensors
+    of `hf_shapes(cfg)` in that order, as float32) and each is written to its file as it
+    comes: the shards and their headers are laid out beforehand from the model's shapes
+    (`write_planned_safetensors`), so host memory holds the tensors in flight, not a shard."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(cfg.to_hf_config("float32"), indent=2) + "\n")
@@ -190,25 +230,27 @@ def save_hf(
     for old in folder.glob("model*.safetensors"):
         old.unlink()  # stale shards from an earlier save would be loaded too
     meta = {"format": "pt"}  # transformers refuses safetensors without this metadata
-    # Shards are written under temporary names (not *.safetensors, so a reader never takes a
-    # half-saved folder's shards) and renamed once their count is known.
-    written: list[tuple[Path, list[str]]] = []
-    shard: dict[str, np.ndarray] = {}
+    # A new shard starts where the next tensor would take the current one past the limit.
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = total = 0
-
-    def flush(shard: dict[str, np.ndarray]) -> None:
-        path = folder / f"model.partial-{len(written):05d}"
-        save_file(shard, str(path), metadata=meta)
-        written.append((path, list(shard)))
-
-    for name, x in iter_hf_state(cfg, params) if tensors is None else tensors:
-        if shard and size + x.nbytes > max_shard_bytes:
-            flush(shard)
-            shard, size = {}, 0
-        shard[name] = x
-        size += x.nbytes
-        total += x.nbytes
-    flush(shard)
+    for name, shape in hf_shapes(cfg):
+        nbytes = 4 * math.prod(shape)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+        total += nbytes
+    stream = iter(iter_hf_state(cfg, params) if tensors is None else tensors)
+    # Shards are written under temporary names (not *.safetensors, so a reader never takes a
+    # half-saved folder's shards) and renamed once all are complete.
+    written: list[tuple[Path, list[str]]] = []
+    for k, shard in enumerate(shards):
+        path = folder / f"model.partial-{k:05d}"
+        write_planned_safetensors(path, shard, stream, meta)
+        written.append((path, [name for name, _ in shard]))
+    if (extra := next(stream, None)) is not None:
+        raise ValueError(f"save_hf: tensor {extra[0]!r} is not one of {cfg.arch}'s HF tensors")
     index_path = folder / "model.safetensors.index.json"
     if len(written) == 1:
         written[0][0].rename(folder / "model.safetensors")

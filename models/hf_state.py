@@ -107,6 +107,15 @@ def _hf_shape(row: HFTensor, param_shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[::-1] if row.transposed else shape
 
 
+def hf_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape in HF layout) of every tensor of the model, in `hf_name_map` order (no
+    weights made: the shapes come from the abstract model)."""
+    pure = nnx.to_pure_dict(abstract_model(cfg)[1])
+    return [
+        (row.name, _hf_shape(row, tuple(_get(pure, row.path).shape))) for row in hf_name_map(cfg)
+    ]
+
+
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
 def _hf_tensor(x: jax.Array, layer: jax.Array | None, *, transposed: bool, dtype: Any) -> jax.Array:
     """One tensor in HF layout and `dtype`, made on the device(s) holding `x` into a fresh
@@ -280,15 +289,12 @@ def random_hf_state_dict(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     Weights ~ N(0, 0.02) (linears, embeddings), norms ~ 1 + N(0, 0.1), biases ~ N(0, 0.02);
     filled in the order of `hf_name_map`.
     """
-    _, abstract = abstract_model(cfg)
-    pure = nnx.to_pure_dict(abstract)
     rng = np.random.RandomState(seed)
     out: dict[str, np.ndarray] = {}
-    for row in hf_name_map(cfg):
-        shape = _hf_shape(row, tuple(_get(pure, row.path).shape))
-        if row.name.endswith("norm.weight"):
+    for name, shape in hf_shapes(cfg):
+        if name.endswith("norm.weight"):
             x = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
             x = 0.02 * rng.standard_normal(shape)
-        out[row.name] = x.astype(np.float32)
+        out[name] = x.astype(np.float32)
     return out

@@ -46,6 +46,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jfp8rl.config import ConfigError
+from jfp8rl.observe.memory import release_free_heap
 from jfp8rl.parallel import distributed
 from jfp8rl.trainer.checkpoint_manifest import StepWithManifest, check
 from jfp8rl.trainer.errors import CheckpointDamaged
@@ -113,6 +114,18 @@ def require_intact(run_dir: str | Path, step: int, mode: str) -> None:
         raise CheckpointDamaged(f"checkpoint {directory}/{step} is damaged: {problem}")
 
 
+def save_limit_gb(state: Any) -> int:
+    """The bytes (in whole GB, as orbax takes them) a save of `state` may hold in flight: the
+    least that still admits its largest array. orbax's default (96 GB) starts every array's
+    write at once, and each write holds its encoded chunks in memory until they are on disk:
+    a transient near the size of the state's non-zero data (all-zero chunks, e.g. a fresh
+    optimizer state, are not stored). Under this limit an array's write starts when the
+    budget frees up, so the transient stays under the limit (the largest array plus less than 1 GB); tensorstore's threads still
+    write each array's chunks in parallel. The step's atomic commit is unchanged."""
+    largest = max((getattr(x, "nbytes", 0) for x in jax.tree.leaves(state)), default=0)
+    return largest // 10**9 + 1  # orbax refuses an array of the limit's size or more
+
+
 class _NoTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.exc_info, record.exc_text = None, None
@@ -148,15 +161,32 @@ class Checkpointer:
 
     def __init__(self, run_dir: str | Path, *, keep: int) -> None:
         self.directory = checkpoints_dir(run_dir)
-        options = ocp.CheckpointManagerOptions(
+        self.options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
             enable_async_checkpointing=False,
             temporary_path_class=StepWithManifest,
         )
+        self.save_gb: int | None = None  # the manager's in-flight limit (`save_limit_gb`)
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
+            self.directory, options=self.options, item_names=("state", "meta")
         )
+
+    def limit_saves(self, state: Any) -> None:
+        """Reopens the manager with the in-flight limit of saving `state` (`save_limit_gb`),
+        unless it has it already: the state's shapes are the same at every save of a run."""
+        gb = save_limit_gb(state)
+        if gb == self.save_gb:
+            return
+        self.manager.close()
+        handlers = {
+            "state": ocp.StandardCheckpointHandler(save_concurrent_gb=gb),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=self.options, item_handlers=handlers
+        )
+        self.save_gb = gb
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -170,6 +200,7 @@ class Checkpointer:
         write the partial temporary folder is removed and the error raised."""
         if step in self.manager.all_steps():
             return
+        self.limit_saves(state)
         try:
             with terse_write_errors():
                 self.manager.save(
@@ -185,6 +216,8 @@ class Checkpointer:
                 for tmp in self.directory.glob(f"{step}{ocp.path.atomicity.TMP_DIR_SUFFIX}*"):
                     shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            release_free_heap()  # the writer threads' freed encode buffers
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
         """(state, meta) of checkpoint `step`; `like` is a state pytree of the same structure

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,21 +38,26 @@ import orbax.checkpoint as ocp
 
 from jfp8rl.config import ConfigError
 from rollout_bridge.weights import ExportError
-from rollout_bridge.weights.hashing import check_hash, default_hash, digest, hash_module
+from rollout_bridge.weights.hashing import check_hash, default_hash, digest, hash_module, hasher
 
 MANIFEST = "digests.json"
 # orbax's own markers at the top of a step folder, written at commit, after the manifest.
 UNLISTED = ("_CHECKPOINT_METADATA", "commit_success.txt")
-_HASH_THREADS = min(8, os.cpu_count() or 1)  # the digests release the GIL
+_HASH_THREADS = min(8, os.cpu_count() or 1)  # the reads and digests release the GIL
+_READ_CHUNK = 16 << 20  # bytes each hashing thread reads at a time
 
 
 def file_digest(path: Path, hash_name: str) -> str:
-    """The digest of a whole file, read through a memory map (no copy of the file in memory)."""
-    with path.open("rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return digest(memoryview(b""), hash_name)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-            return digest(view, hash_name)
+    """The digest of a whole file, read in `_READ_CHUNK` pieces into one buffer. Not through a
+    memory map: the mapped pages of every file being hashed would count in this process's
+    resident memory (gigabytes for a large state) until unmapped; read() leaves them to the
+    page cache."""
+    h, buf = hasher(hash_name), bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def listed_files(step_dir: Path) -> list[str]:

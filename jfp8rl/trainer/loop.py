@@ -143,6 +143,7 @@ def setup(
     cfg: Config, resume: str, log: Any, out: Any
 ) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
     """Builds the trainer and its state (fresh or from the latest checkpoint), stage by stage."""
+    log_memory(log, "start")
     run_dir = open_run_dir(cfg)
     mesh = build_mesh(cfg)
     policy = load_policy(cfg, log, mesh)
@@ -170,7 +171,6 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
             distributed.on_main(lambda: log_base_eval(t))
             log_memory(t.log, "eval 0")
             stage_checkpoint(t, state, p, force=True)
-            log_memory(t.log, "checkpoint 0")
         while p.step < stop_at:
             train_step(t, state, p, stop_at)
     except RolloutError as e:
@@ -195,6 +195,7 @@ def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> di
     summary: dict[str, Any] = {"run_dir": str(run_dir), "base_policy": str(t.policy.path)}
     if p.step == cfg.train.steps and cfg.checkpoint.export_hf:
         summary["hf_final"] = str(stage_export(t, state, p))
+        log_memory(t.log, "export")
     if not distributed.is_main():
         return summary
     recs = read_metrics(run_dir)

@@ -223,6 +223,7 @@ def stage_log(t: Trainer, p: Progress, record: dict[str, float]) -> None:
     def log_on_main() -> None:
         if p.step == last or (every and p.step % every == 0):
             record["eval/accuracy"] = run_eval(t)
+            log_memory(t.log, f"eval {p.step}")
         t.metrics.log(p.step, record)
 
     distributed.on_main(log_on_main)
@@ -261,6 +262,7 @@ def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool
             f"saving checkpoint {t.ckpt.directory}/{p.step} failed, nothing of it kept: {why}\n"
             + then
         ) from e
+    log_memory(t.log, f"checkpoint {p.step}")
 
 
 def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:

@@ -63,14 +63,22 @@ def check_hash(hash_name: str, fix: str, *, where: str = "") -> str:
     return hash_name
 
 
-def digest(view: memoryview, hash_name: str) -> str:
-    """Hex digest of `view` with `hash_name` (one of `HASHES`; all release the GIL)."""
+def hasher(hash_name: str) -> Any:
+    """A fresh incremental hasher of `hash_name` (one of `HASHES`): `update(bytes)` any number
+    of times, then `hexdigest()`, equal to `digest` of the bytes joined (all release the GIL)."""
     module = hash_module(check_hash(hash_name, "use one of them"))
     if hash_name == "xxh3_128":
-        return module.xxh3_128(view).hexdigest()
+        return module.xxh3_128()
     if hash_name == "blake3":
-        return module.blake3(view, max_threads=1).hexdigest()
-    return hashlib.sha256(view).hexdigest()
+        return module.blake3(max_threads=1)
+    return hashlib.sha256()
+
+
+def digest(view: memoryview, hash_name: str) -> str:
+    """Hex digest of `view` with `hash_name` (one of `HASHES`)."""
+    h = hasher(hash_name)
+    h.update(view)
+    return h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:

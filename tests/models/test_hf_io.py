@@ -127,3 +127,46 @@ def test_loaded_and_exported_params_stay_donatable(tmp_path):
         np.testing.assert_array_equal(
             held16[name].view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16)
         )
+
+
+def test_save_writes_each_tensor_as_it_comes(tmp_path):
+    """`save_hf` keeps no tensor of the stream once the next one is asked for (so host memory
+    holds the tensors in flight, not a shard), in one file and in shards; the files read back
+    with safetensors' own reader equal to the HF state dict; a stream out of `hf_shapes` order
+    is refused naming both tensors, and no *.safetensors file is left."""
+    import gc
+    import weakref
+
+    from safetensors.numpy import load_file
+
+    from models.hf_state import hf_shapes
+
+    cfg, _, params = tiny("tiny_qwen3")
+    want = to_hf_state_dict(cfg, params)
+    assert [(n, x.shape) for n, x in want.items()] == hf_shapes(cfg)
+    for max_shard_bytes, folder in ((5 * 2**30, tmp_path / "one"), (100_000, tmp_path / "shards")):
+        alive: list[weakref.ref] = []
+
+        def stream(alive=alive):
+            for name, x in want.items():
+                gc.collect()
+                assert sum(r() is not None for r in alive) <= 1, name  # the one just written
+                y = x.copy()
+                alive.append(weakref.ref(y))
+                yield name, y
+
+        save_hf(folder, cfg, params, max_shard_bytes=max_shard_bytes, tensors=stream())
+        got = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            got.update(load_file(f))
+        assert sorted(got) == sorted(want)
+        for name, x in want.items():
+            assert got[name].dtype == np.float32
+            np.testing.assert_array_equal(got[name], x)
+    assert len(list((tmp_path / "shards").glob("model-*.safetensors"))) > 2
+
+    swapped = list(want.items())
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    with pytest.raises(ValueError, match=rf"expected {swapped[2][0]!r}.*got {swapped[1][0]!r}"):
+        save_hf(tmp_path / "bad", cfg, params, tensors=iter(swapped))
+    assert not list((tmp_path / "bad").glob("*.safetensors"))

@@ -1,0 +1,54 @@
+"""Stage memory lines (JFP8RL_DEBUG_MEMORY=1): each names its own peak and where the main
+thread was when the sampler saw it, and a transient between two lines is attributed to the
+interval it lived in."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from jfp8rl.observe import memory
+
+SIZE = 256 << 20  # bytes of the transient
+
+
+def hold_a_transient(sampler: memory.StagePeak, floor_gib: float) -> None:
+    """Touches SIZE bytes and keeps them until the sampler has seen them, then frees them."""
+    block = np.ones(SIZE, dtype=np.uint8)
+    deadline = time.monotonic() + 60
+    while sampler.top < floor_gib + 0.9 * SIZE / 2**30:
+        assert time.monotonic() < deadline, "the sampler never saw the transient"
+        time.sleep(0.005)
+    del block
+
+
+def test_the_line_after_a_transient_names_its_peak_and_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("JFP8RL_DEBUG_MEMORY", "1")
+    lines: list[str] = []
+    memory.log_memory(lines.append, "before")
+    sampler = memory._stage_peak()
+    assert sampler is not None
+    floor = memory.host_rss_gib()["rss"]
+    hold_a_transient(sampler, floor)
+    memory.log_memory(lines.append, "after")
+    memory.log_memory(lines.append, "quiet")
+    assert lines[0].startswith("memory: before rss ")
+    after = lines[1].split(" stage peak ")[1]
+    peak = float(after.split(" GiB at ")[0])
+    assert peak >= floor + 0.9 * SIZE / 2**30
+    assert after.split(" GiB at ")[1].startswith("tests/jfp8rl/observe/test_memory.py:")
+    assert after.endswith(" hold_a_transient")
+    quiet_peak = float(lines[2].split(" stage peak ")[1].split(" GiB at ")[0])
+    assert quiet_peak < peak - 0.5 * SIZE / 2**30  # the next interval starts afresh
+
+
+def test_no_line_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JFP8RL_DEBUG_MEMORY", raising=False)
+    lines: list[str] = []
+    memory.log_memory(lines.append, "x")
+    assert lines == []
+    memory.release_free_heap()  # harmless anywhere: glibc's trim, or nothing
