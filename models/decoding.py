@@ -52,25 +52,28 @@ class KVCache(NamedTuple):
     scales: KVScales
 
 
-def _write_kv(
-    kv: tuple[Array, Array], layer: Array, slot: Array | int, k: Array, v: Array, s: KVScales
-) -> tuple[Array, Array]:
-    """Cache (k, v) [L, B, S, K, E] with layer `layer`'s slots [slot, slot + T) set to the new
-    [B, T, K, E] keys and values as stored (`kv_quant.store` with the layer's scales). The
-    cache is the layer scan's carry, so XLA writes in place."""
-    start = (layer, 0, slot, 0, 0)
-    return tuple(
-        jax.lax.dynamic_update_slice(c, kvq.store(x, sc[layer], c.dtype)[None], start)
-        for c, x, sc in zip(kv, (k, v), (s.k, s.v), strict=True)
+def _store_layer(
+    bufs: tuple[Array, Array], layer: Array, k: Array, v: Array, s: KVScales
+) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+    """Layer `layer`'s new keys and values [B, ..., K, E] as the cache stores them
+    (`kv_quant.store` with the layer's scales), and the buffers [L, B, ..., K, E] of every
+    layer's new entries with layer `layer` set. The layer scan carries only these buffers; the
+    cache is written once, after the scan (a cache in the scan's carry is rewritten whole at
+    every layer on the CPU backend)."""
+    stored = tuple(
+        kvq.store(x, sc[layer], b.dtype) for x, sc, b in zip((k, v), (s.k, s.v), bufs, strict=True)
     )
+    bufs = tuple(
+        jax.lax.dynamic_update_index_in_dim(b, x, layer, 0)
+        for b, x in zip(bufs, stored, strict=True)
+    )
+    return stored, bufs
 
 
-def _read_kv(kv: tuple[Array, Array], layer: Array, s: KVScales, dtype: jnp.dtype):
-    """Layer `layer`'s cached (k, v) [B, S, K, E] back in the compute dtype (`kv_quant.load`)."""
-    return tuple(
-        kvq.load(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False), sc[layer], dtype)
-        for c, sc in zip(kv, (s.k, s.v), strict=True)
-    )
+def _new_entry_buffers(cache: KVCache, shape: tuple[int, ...]) -> tuple[Array, Array]:
+    """Zero buffers [L, *shape, K, E] in the cache's storage dtype (`_store_layer`)."""
+    full = (cache.k.shape[0], *shape, *cache.k.shape[3:])
+    return jnp.zeros(full, cache.k.dtype), jnp.zeros(full, cache.v.dtype)
 
 
 def init_cache(
@@ -137,17 +140,19 @@ def prefill(
     attend = self_attention(model.cfg, attention_mask, fmt, cache.scales)
 
     def attend_at(
-        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
+        i: Array, q: Array, k: Array, v: Array, new: tuple[Array, Array]
     ) -> tuple[Array, tuple[Array, Array]]:
-        return attend(i, q, k, v), _write_kv(kv, i, 0, k, v, cache.scales)
+        return attend(i, q, k, v), _store_layer(new, i, k, v, cache.scales)[1]
 
-    h, (k_all, v_all) = model.hidden_states(
+    h, (k_new, v_new) = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
         fp8.make_dot_general(recipe),
-        carry=(cache.k, cache.v),
+        carry=_new_entry_buffers(cache, tokens.shape),
     )
+    k_all = jax.lax.dynamic_update_slice(cache.k, k_new, (0,) * 5)
+    v_all = jax.lax.dynamic_update_slice(cache.v, v_new, (0,) * 5)
     mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
     new_cache = cache._replace(
         k=k_all,
@@ -173,24 +178,30 @@ def decode_step(
     """
     model: Decoder = nnx.merge(graphdef, params)
     index = cache.index
-    slots = jnp.arange(cache.mask.shape[1])
-    mask = cache.mask | (slots == index)[None, :]
+    at_index = jnp.arange(cache.mask.shape[1]) == index
+    mask = cache.mask | at_index[None, :]
     allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including index
 
     def attend_at(
-        i: Array, q: Array, k: Array, v: Array, kv: tuple[Array, Array]
+        i: Array, q: Array, k: Array, v: Array, new: tuple[Array, Array]
     ) -> tuple[Array, tuple[Array, Array]]:
-        # Write slot `index` of layer i, then attend over that layer's whole cache ([B,H,1,S]).
-        kv = _write_kv(kv, i, index, k, v, cache.scales)
-        k_i, v_i = _read_kv(kv, i, cache.scales, q.dtype)
-        return reference_attention(q, k_i, v_i, allowed), kv
+        # Layer i's cache as writing the new entry at slot `index` and reading back would give.
+        stored, new = _store_layer(new, i, k[:, 0], v[:, 0], cache.scales)
+        k_i, v_i = (
+            kvq.load(jnp.where(at_index[:, None, None], x[:, None], c[i]), sc[i], q.dtype)
+            for x, c, sc in zip(stored, (cache.k, cache.v), cache.scales, strict=True)
+        )
+        return reference_attention(q, k_i, v_i, allowed), new
 
-    h, (k_all, v_all) = model.hidden_states(
+    h, (k_new, v_new) = model.hidden_states(
         token[:, None],
         cache.pos[:, None],
         attend_at,
         fp8.make_dot_general(recipe),
-        carry=(cache.k, cache.v),
+        carry=_new_entry_buffers(cache, token.shape),
     )
+    start = (0, 0, index, 0, 0)
+    k_all = jax.lax.dynamic_update_slice(cache.k, k_new[:, :, None], start)
+    v_all = jax.lax.dynamic_update_slice(cache.v, v_new[:, :, None], start)
     new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
     return apply_head(h[:, 0], head_of(model)), new_cache

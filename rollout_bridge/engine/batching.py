@@ -5,8 +5,8 @@ r // n (prompt-major). A call is decoded in chunks of at most `max_rows` consecu
 (`row_chunks`), so the KV cache holds at most `max_rows` rows whatever the call asks; within a
 chunk prompts are left-padded to a common length so the last prompt token of every row sits at
 the same position. Scoring: sequences right-padded, in chunks of at most `max_rows` too.
-Rows, prompt length and new tokens are bucketed to powers of two (rows >= 8, prompt length
->= 16, new tokens >= 16). Buckets and chunks only add padding: samples depend on (seed, prompt
+Prompt length and new tokens are bucketed to powers of two (>= 16), rows to four sizes per
+octave (>= 8, `row_bucket`). Buckets and chunks only add padding: samples depend on (seed, prompt
 index, sample index) alone, never on the bucket or the chunk (`rollout_bridge.engine.sampling`).
 """
 
@@ -29,6 +29,17 @@ STOP_SLOTS = 8  # stop ids per row (eos included)
 def bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum): the compiled size for n."""
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+def row_bucket(n: int, minimum: int = MIN_ROWS) -> int:
+    """The compiled row count for n rows: the smallest m * 2^e >= max(n, minimum) with m in
+    4..7, four sizes per octave (8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...). Every row costs
+    its share of each decode step's GEMMs and LM head, so rows pad by less than 25% (powers of
+    two would pad 36 rows to 64); a fixed RL batch still compiles once."""
+    n = max(int(n), minimum)
+    top = 1 << (n - 1).bit_length()  # power of two >= n
+    step = max(1, top // 8)
+    return -(-n // step) * step
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -71,7 +82,7 @@ def generate_batch(
         raise RolloutError(f"embedded: at most {STOP_SLOTS} stop ids, got {len(stops)}")
     n = sampling.n
     rows = range(len(prompts) * n) if rows is None else rows
-    b = bucket(len(rows), MIN_ROWS)
+    b = row_bucket(len(rows))
     plen = bucket(max(len(prompts[r // n]) for r in rows), MIN_PROMPT)
     prompt = np.zeros((b, plen), np.int32)
     mask = np.zeros((b, plen), np.int32)
@@ -101,7 +112,7 @@ def score_batch(seqs: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray
     """Right-padded, bucketed (tokens, mask) int32 [B, T] and the true lengths."""
     if not seqs:
         return np.zeros((0, 0), np.int32), np.zeros((0, 0), np.int32), []
-    b = bucket(len(seqs), MIN_ROWS)
+    b = row_bucket(len(seqs))
     t = bucket(max(len(s) for s in seqs), MIN_PROMPT)
     tokens = np.zeros((b, t), np.int32)
     mask = np.zeros((b, t), np.int32)

@@ -50,8 +50,18 @@ def processed_logits(
     t_B = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
     z_BxV = z_BxV / t_B[:, None]
 
-    sorted_BxV = -jnp.sort(-z_BxV, axis=-1)  # descending
     k_B = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).astype(jnp.int32)
+    truncated = jnp.any(k_B < vocab) | jnp.any(top_p < 1.0)
+    # Without top-k / top-p in any row every token is kept: skip the vocabulary sort (the
+    # truncating branch would keep the logits unchanged too, at the cost of a [B, V] sort).
+    return jax.lax.cond(truncated, _truncate, lambda z, k, p: z, z_BxV, k_B, top_p)
+
+
+def _truncate(
+    z_BxV: Float[Array, "B V"], k_B: Int[Array, " B"], top_p: Float[Array, " B"]
+) -> Float[Array, "B V"]:
+    """`z` with the tokens outside each row's top-k (k = V: off) and top-p set to -inf."""
+    sorted_BxV = -jnp.sort(-z_BxV, axis=-1)  # descending
     kth_B = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)[:, 0]
     z_BxV = jnp.where(z_BxV >= kth_B[:, None], z_BxV, _NEG_INF)
 
@@ -103,16 +113,52 @@ def sample_tokens(
     """
     z_BxV = processed_logits(logits, temperature, top_k, top_p)
     logpi_BxV = jax.nn.log_softmax(z_BxV, axis=-1)
-    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
-    drawn_B = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(step_keys, logpi_BxV)
-
-    raw_BxV = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    greedy_B = jnp.argmax(raw_BxV, axis=-1)
     is_greedy_B = temperature <= 0
+    zeros_B = jnp.zeros(is_greedy_B.shape, jnp.int32)
+    drawn_B = jax.lax.cond(
+        jnp.all(is_greedy_B),
+        lambda keys, lp: zeros_B,
+        _gumbel_max,
+        jax.vmap(lambda k: jax.random.fold_in(k, step))(keys),
+        logpi_BxV,
+    )
+    # Greedy rows: the argmax of the raw log-softmax and its logprob (skipped without any).
+    greedy_B, lp_raw_B = jax.lax.cond(
+        jnp.any(is_greedy_B),
+        _greedy,
+        lambda lg: (zeros_B, jnp.zeros(zeros_B.shape, jnp.float32)),
+        logits,
+    )
     token_B = jnp.where(is_greedy_B, greedy_B, drawn_B).astype(jnp.int32)
     lp_sampled_B = jnp.take_along_axis(logpi_BxV, token_B[:, None], axis=-1)[:, 0]
-    lp_raw_B = jnp.take_along_axis(raw_BxV, token_B[:, None], axis=-1)[:, 0]
     return token_B, jnp.where(is_greedy_B, lp_raw_B, lp_sampled_B)
+
+
+def _gumbel_max(step_keys: Array, logpi_BxV: Float[Array, "B V"]) -> Int[Array, " B"]:
+    """`jax.random.categorical(step_keys[r], logpi[r])` per row, the same draw: the argmax of
+    Gumbel noise + logpi. The noise is materialised before the argmax (fused into the argmax's
+    reduction it is computed several times slower on the CPU backend)."""
+    noise_BxV = jax.vmap(lambda k: jax.random.gumbel(k, logpi_BxV.shape[-1:]))(step_keys)
+    noise_BxV = jax.lax.optimization_barrier(noise_BxV)
+    return first_argmax(noise_BxV + logpi_BxV)
+
+
+def _greedy(logits: Float[Array, "B V"]) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
+    """Per row the argmax of the raw (temperature-1) log-softmax and its logprob."""
+    raw_BxV = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    token_B = first_argmax(raw_BxV)
+    return token_B, jnp.take_along_axis(raw_BxV, token_B[:, None], axis=-1)[:, 0]
+
+
+def first_argmax(x_BxV: Float[Array, "B V"]) -> Int[Array, " B"]:
+    """`jnp.argmax(x, axis=-1)` (the first index of the largest value, a NaN counting as the
+    largest) as two plain reductions, a max and a min of indices, which the CPU backend
+    vectorises (a fused value-and-index reduction it does not)."""
+    nan_BxV = jnp.isnan(x_BxV)
+    top_B = jnp.max(x_BxV, axis=-1, keepdims=True)
+    hit_BxV = jnp.where(jnp.any(nan_BxV, axis=-1, keepdims=True), nan_BxV, x_BxV == top_B)
+    idx = jnp.arange(x_BxV.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit_BxV, idx, x_BxV.shape[-1]), axis=-1)
 
 
 def is_stop(token: Int[Array, " B"], stop_ids: Int[Array, "B S"]) -> Bool[Array, " B"]:

@@ -22,7 +22,7 @@ from models.config import get_config
 from models.fp8 import get_recipe
 from models.hf_io import from_hf_state_dict, hf_name_map, iter_hf_state, random_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
-from rollout_bridge.engine.batching import bucket
+from rollout_bridge.engine.batching import bucket, row_bucket
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.engine.params import served_params
 from rollout_bridge.weights.reader import load_export
@@ -91,6 +91,17 @@ def _ref_response_logprobs(graphdef, params, completions, recipe, temperature=1.
 
 def test_bucket():
     assert [bucket(n, 8) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 32]
+
+
+def test_row_bucket():
+    """Four row counts per octave from 8 on: m * 2^e, m in 4..7, padding under 25%."""
+    ns = (1, 8, 9, 11, 16, 17, 33, 36, 64, 65, 200)
+    assert [row_bucket(n) for n in ns] == [8, 8, 10, 12, 16, 20, 40, 40, 64, 80, 224]
+    for n in range(8, 2000):
+        b = row_bucket(n)
+        assert n <= b < 1.25 * n
+        shift = b.bit_length() - 3
+        assert b >> shift in (4, 5, 6, 7) and b % (1 << shift) == 0  # m * 2^shift
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(model, engine):

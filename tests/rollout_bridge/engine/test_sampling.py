@@ -130,3 +130,15 @@ class SampleTokensTest(chex.TestCase):
         tok = jnp.asarray([3, 5, 7], jnp.int32)
         stop = jnp.asarray([[3, -1], [4, 6], [7, 7]], jnp.int32)
         np.testing.assert_array_equal(np.asarray(sampling.is_stop(tok, stop)), [True, False, True])
+
+
+def test_first_argmax_equals_numpy_argmax():
+    """First index of the row maximum, ties and NaN (counted as the largest) as numpy's."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)  # many ties
+    x[5, 17] = np.nan
+    x[6, [3, 200]] = np.nan
+    x[7] = -np.inf
+    x[8, 100:] = np.inf
+    got = np.asarray(jax.jit(sampling.first_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
