@@ -23,7 +23,6 @@ only when `JFP8RL_SKIP_VLLM=1` is set, and otherwise build the venv (cached) or 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import platform
 import sys
@@ -77,30 +76,58 @@ def _use_fast_compiles() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level={level}".strip()
 
 
+CACHE_LIMIT_BYTES = 4 << 30
+
+
+def _prune_jax_test_cache(path: str, limit: int = CACHE_LIMIT_BYTES) -> None:
+    """Deletes the oldest entries (by modification time) until the cache holds <= `limit`
+    bytes. Once per session, before any test: JAX's own bound (`jax_compilation_cache_max_size`)
+    rescans the whole folder under a file lock at every write, which over the suite's thousands
+    of small programs costs minutes and serialises the workers."""
+    entries = []
+    for f in Path(path).glob("*"):
+        try:
+            st = f.stat()
+        except OSError:  # removed meanwhile
+            continue
+        entries.append((st.st_mtime, st.st_size, f))
+    total = sum(size for _, size, _ in entries)
+    for _, size, f in sorted(entries, key=lambda e: e[0]):
+        if total <= limit:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+
+
 def _use_jax_test_cache() -> None:
     path = _jax_test_cache()
     if not path:
         return
-    # Every program (the default caches only those compiling for over 1 s); bounded, with
-    # file locks for the concurrent trainer processes (eviction needs `filelock`).
+    # Every program (the default caches only those compiling for over 1 s), unbounded while the
+    # session runs (no lock, no rescan per write; `_prune_jax_test_cache` bounds it between
+    # sessions). A half-written entry read by another process fails to load and is recompiled.
     settings = {
         "JAX_COMPILATION_CACHE_DIR": path,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
-    if importlib.util.find_spec("filelock") is not None:
-        settings["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(4 << 30)
     os.environ.update(settings)  # the JAX subprocesses the tests start
     import jax
 
     # This process: before its first compile, which fixes whether the cache is used.
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" in settings:
-        jax.config.update("jax_compilation_cache_max_size", 4 << 30)
 
 
 _use_fast_compiles()
 _use_jax_test_cache()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's controller (not an xdist worker) bounds the compilation cache once,
+    before any test writes to it."""
+    path = _jax_test_cache()
+    if path and not hasattr(config, "workerinput") and Path(path).is_dir():
+        _prune_jax_test_cache(path)
 
 
 # Session fixtures of one shared process (a server): their users form one xdist group.
