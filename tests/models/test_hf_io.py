@@ -134,7 +134,6 @@ def test_save_writes_each_tensor_as_it_comes(tmp_path):
     holds the tensors in flight, not a shard), in one file and in shards; the files read back
     with safetensors' own reader equal to the HF state dict; a stream out of `hf_shapes` order
     is refused naming both tensors, and no *.safetensors file is left."""
-    import gc
     import weakref
 
     from safetensors.numpy import load_file
@@ -149,7 +148,8 @@ def test_save_writes_each_tensor_as_it_comes(tmp_path):
 
         def stream(alive=alive):
             for name, x in want.items():
-                gc.collect()
+                # Reference counts free a tensor the writer let go of (no collection needed,
+                # and a full one per tensor would be most of the test's time).
                 assert sum(r() is not None for r in alive) <= 1, name  # the one just written
                 y = x.copy()
                 alive.append(weakref.ref(y))
