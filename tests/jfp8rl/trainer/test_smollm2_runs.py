@@ -6,7 +6,7 @@ transformers' `generate` (fixture `smollm2_ref`). Shrunk to a few prompts and to
 
 Checked in the rollout dumps: no response runs past the end of turn `<|im_end|>` (id 2, not
 the tokenizer's `<|endoftext|>`), a response ends with it exactly when it finished on a stop,
-and each reward is the math verifier's on the dumped text.
+and each reward is the config's verifier's (`math_natural`) on the dumped text.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from bridge_support import VllmServer
 from smollm2_cases import MAX_NEW_TOKENS
 
-from jfp8rl.data.rewards import math_verify_reward
+from jfp8rl.data.rewards import math_natural_reward
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main as train_main
 from rollout_bridge.backend import SamplingParams
@@ -71,7 +71,7 @@ def _check(run_dir: Path, recs: list[dict]) -> None:
             resp = r["response_ids"]
             assert END_OF_TURN not in resp[:-1], "generation went past the end of turn"
             assert (r["finish_reason"] == "stop") == (resp[-1] == END_OF_TURN)
-            assert r["reward"] == math_verify_reward(r["response_text"], r["answer"])
+            assert r["reward"] == math_natural_reward(r["response_text"], r["answer"])
     assert any("eval/accuracy" in r for r in recs)
 
 
