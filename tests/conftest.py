@@ -11,8 +11,8 @@ give; the numbers the tests compare do not change.
 
 Under pytest-xdist (`scripts/test.sh` runs three workers, `--dist loadgroup`) a test file is the
 unit of scheduling, so its module fixtures are built once; tests that share one session
-resource (a server) are grouped across files by their conftest. Files holding `slow` tests go
-first, so the long ones do not end up last on one worker while the other idles.
+resource (a server, the real model) are grouped across files by their conftest. Files holding
+`slow` tests go first, so the long ones do not end up last on one worker while the other idles.
 
 The real-vLLM venv and the transformers reference live in the vLLM venv
 (`scripts/setup_vllm_env.sh`, Python 3.11 with torch 2.13 cpu and transformers; the project venv
@@ -130,23 +130,24 @@ def pytest_configure(config: pytest.Config) -> None:
         _prune_jax_test_cache(path)
 
 
-# Session fixtures of one shared process (a server): their users form one xdist group.
-SHARED_SERVERS = ("tiny_vllm",)
+# Session fixtures worth building once: their users form one xdist group (one worker), so the
+# tiny vLLM server starts once and the real model's transformers reference is computed once.
+SHARED_FIXTURES = ("tiny_vllm", "smollm2_dir")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """xdist groups (module docstring): the shared server an item uses, else its file; the
-    shared servers' groups and those holding `slow` tests first, each keeping its order."""
+    """xdist groups (module docstring): the shared fixture an item uses, else its file; the
+    shared fixtures' groups and those holding `slow` tests first, each keeping its order."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        used = [f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ())]
+        used = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
         name = used[0] if used else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(name))
         groups.setdefault(name, []).append(item)
 
     def heavy(name: str) -> bool:
-        return name in SHARED_SERVERS or any(i.get_closest_marker("slow") for i in groups[name])
+        return name in SHARED_FIXTURES or any(i.get_closest_marker("slow") for i in groups[name])
 
     order = [n for n in groups if heavy(n)] + [n for n in groups if not heavy(n)]
     items[:] = [item for name in order for item in groups[name]]

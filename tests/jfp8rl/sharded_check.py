@@ -2,7 +2,7 @@
 sharded meshes against the same step on one device. Prints one JSON line of measured maximum
 relative differences (and layout facts) per mesh.
 
-Usage: python sharded_check.py <recipe>:<mesh>,<mesh>... [...]   e.g. bf16:fsdp8,data2_fsdp4
+Usage: python sharded_check.py <recipe>:<mesh>,<mesh>... [...]   e.g. bf16:fsdp8,data2_fsdp2_tensor2
 (with XLA_FLAGS=--xla_force_host_platform_device_count=8). Calibrated Clipping is on: its
 quantiles and balance sums must stay reductions over the global batch. `<recipe>+budget` runs
 the sharded meshes with token-budget micro-batches (`BUDGET`, `BUCKETS`) against the whole
@@ -28,7 +28,12 @@ from losses.registry import Algorithm
 from models import functional as mf
 from models.config import get_config
 
-MESHES = {"fsdp8": (1, 8, 1), "fsdp4_tensor2": (1, 4, 2), "data2_fsdp4": (2, 4, 1)}
+MESHES = {
+    "fsdp8": (1, 8, 1),
+    "fsdp4_tensor2": (1, 4, 2),
+    "data2_fsdp4": (2, 4, 1),
+    "data2_fsdp2_tensor2": (2, 2, 2),
+}
 N, P, R = 16, 5, 4
 CALIB = CalibConfig(eps_low=0.2, eps_high=0.2)
 # Adam's first update is g / (|g| + eps): with the default eps (1e-8) it turns f32 roundoff in
@@ -39,8 +44,8 @@ OPT = OptimSettings(1e-2, 0, 0.0, 1.0, 0.9, 0.999, eps=1e-3)
 # Three calibrating updates (one compiled program; the calibration's quantile and balance are
 # the global reductions at stake; tracking mini-batches run the same solver).
 UPDATES = 3
-# Token-budget micro-batches of P + R = 9 tokens over the 8 ranks of data2_fsdp4: 1 row of
-# bucket 9 or 2 rows of bucket 5 per rank (the batch's sequences: 3 to 9 tokens).
+# Token-budget micro-batches of P + R = 9 tokens on each batch rank of a mesh: 1 row of bucket 9
+# or 2 rows of bucket 5 per rank (the batch's sequences: 3 to 9 tokens).
 BUDGET, BUCKETS = 10, (5, 9)
 
 
