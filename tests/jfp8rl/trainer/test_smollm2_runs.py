@@ -8,7 +8,9 @@ steps of a real model are run time more than compile time).
 
 Checked in the rollout dumps: no response runs past the end of turn `<|im_end|>` (id 2, not
 the tokenizer's `<|endoftext|>`), a response ends with it exactly when it finished on a stop,
-and each reward is the config's verifier's (`math_natural`) on the dumped text.
+and each reward is the config's verifier's (`math_natural`) on the dumped text. After the HTTP
+run, `jfp8rl.eval --url` asks the same server (holding the final weights, the last push) the
+run's final eval again: the same avg@2.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from smollm2_cases import MAX_NEW_TOKENS
 from tiny_run import full_optimization_env
 
 from jfp8rl.data.rewards import math_natural_reward
+from jfp8rl.eval import main as eval_main
 from jfp8rl.observe.metrics import read_metrics
 from rollout_bridge.backend import SamplingParams
 from rollout_bridge.client.http_backend import HttpBackend
@@ -99,6 +102,18 @@ def test_vllm_greedy_then_two_steps_over_http(
     run_dir = tmp_path / "http"
     recs = _run(
         run_dir, smollm2_dir, "rollout.backend=http", f"rollout.url={srv.url}",
-        "rollout.export_format=fp8_fp32",
+        "rollout.export_format=fp8_fp32", "eval.n=2", "eval.temperature=0.7",
     )  # fmt: skip
     _check(run_dir, recs)
+    out = tmp_path / "eval.json"
+    evals = REPO / "configs" / "data" / "sums_eval.jsonl"
+    rc = eval_main(
+        ["--model", str(smollm2_dir), "--data", str(evals), "--url", srv.url,
+         "--config", str(run_dir / "config.yaml"), "--limit", "2", "--out", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["problems"] == 2 and res["n"] == 2 and res["temperature"] == 0.7
+    assert 1 <= res["response_length/mean"] <= 8
+    last = [r for r in recs if "eval/accuracy" in r][-1]
+    assert last["step"] == 2 and res["avg@2"] == pytest.approx(last["eval/accuracy"])
