@@ -8,9 +8,11 @@ steps of a real model are run time more than compile time).
 
 Checked in the rollout dumps: no response runs past the end of turn `<|im_end|>` (id 2, not
 the tokenizer's `<|endoftext|>`), a response ends with it exactly when it finished on a stop,
-and each reward is the config's verifier's (`math_natural`) on the dumped text. After the HTTP
-run, `jfp8rl.eval --url` asks the same server (holding the final weights, the last push) the
-run's final eval again: the same avg@2.
+and each reward is the config's verifier's (`math_natural`) on the dumped text. The HTTP run
+hashes its exports with blake3 into its own folder: the digests reach the manifests the server
+verified and loaded, two kept, and the server reports the last push's version. After it,
+`jfp8rl.eval --url` asks the same server (holding the final weights) the run's final eval
+again: the same avg@2.
 """
 
 from __future__ import annotations
@@ -99,12 +101,20 @@ def test_vllm_greedy_then_two_steps_over_http(
             meta["prompts"], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
         )
     assert [c.response_ids.tolist() for c in out] == meta["greedy"]
-    run_dir = tmp_path / "http"
+    run_dir, exports = tmp_path / "http", tmp_path / "exports"
     recs = _run(
         run_dir, smollm2_dir, "rollout.backend=http", f"rollout.url={srv.url}",
         "rollout.export_format=fp8_fp32", "eval.n=2", "eval.temperature=0.7",
+        "rollout.export_hash=blake3", f"rollout.export_root={exports}",
     )  # fmt: skip
     _check(run_dir, recs)
+    with HttpBackend(srv.url, ClientSettings()) as client:
+        assert client.weight_version() == "step-2"
+    manifests = sorted(exports.glob("step-*/manifest.json"))
+    assert [m.parent.name for m in manifests] == ["step-1", "step-2"]
+    for m in manifests:
+        man = json.loads(m.read_text())
+        assert man["hash"] == "blake3" and all("blake3" in t for t in man["tensors"].values())
     out = tmp_path / "eval.json"
     evals = REPO / "configs" / "data" / "sums_eval.jsonl"
     rc = eval_main(
