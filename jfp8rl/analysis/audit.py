@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8rl.analysis.kv_mismatch import kv_cache_mismatch
+from jfp8rl.analysis.tables import markdown_table
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
@@ -295,11 +296,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             return f"{v:.2e}"
         return f"{v:.{d}f}"
 
-    head = "| " + " | ".join(h for h, _, _ in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(cell(r[k], d) for _, k, d in COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(
+        [h for h, _, _ in COLUMNS], ([cell(r[k], d) for _, k, d in COLUMNS] for r in rows)
+    )
 
 
 def checkpoint_step(path: str | Path) -> tuple[Path, int]:

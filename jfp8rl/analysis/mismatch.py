@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jfp8rl.analysis.tables import markdown_table
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
@@ -334,11 +335,9 @@ def measure(
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as one markdown table (COLUMNS)."""
-    head = "| " + " | ".join(h for h, _, _ in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        lines.append("| " + " | ".join(format(r[k], f) for _, k, f in COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+    return markdown_table(
+        [h for h, _, _ in COLUMNS], ([format(r[k], f) for _, k, f in COLUMNS] for r in rows)
+    )
 
 
 def run_mismatch(
