@@ -23,7 +23,9 @@ tokens. Ratios are printed against vllm/fp32 (> 1: faster than vLLM); the last l
 
 With `--model DIR` (defaults then: 36 prompts x 64 new tokens) the folder's own config is
 loaded with f32 compute (as configs/smollm2_135m_math.yaml runs it), the rows are
-embedded/fp8_block, embedded/bf16 and vllm/fp32, and two more tables follow:
+embedded/fp8_block, embedded/bf16 and vllm/fp32, all three up at once and timed round-robin
+(each round calls each once: a load that comes and goes falls on all alike), and two more
+tables follow:
 
   scoring    teacher-forced logprobs of the prompts ++ `--new-tokens` tokens: the engine's
              `score` against vLLM's `prompt_logprobs` (`HttpBackend.score`), tokens/s
@@ -42,11 +44,12 @@ and the lines `rollout_throughput: embedded bf16 = ...x` (target >= 1.2) and
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
+import itertools
 import sys
 import tempfile
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -66,6 +69,7 @@ from rollout_bridge.server.http_server import ServerState, make_server
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "rollout_bridge"))
 from bridge_support import VllmServer, ensure_vllm_env  # noqa: E402
 from decode_split import decode_split, print_split  # noqa: E402
+from timing import interleaved_median_seconds, median_seconds  # noqa: E402
 
 # A tiny model vLLM's CPU build serves; head_dim >= 32 because vLLM's CPU attention refuses 16.
 CFG = get_config(
@@ -84,38 +88,36 @@ def params_of(model_dir: Path):
     return load_hf(model_dir)[2]
 
 
-def _time(backend: RolloutBackend, prompts: list[list[int]], args: argparse.Namespace) -> float:
-    """Median seconds of one batched generate call (after one warm-up)."""
+def _generate_fn(
+    backend: RolloutBackend, prompts: list[list[int]], args: argparse.Namespace
+) -> Callable[[], None]:
+    """One batched generate call per invocation (a new seed each), checking the token count."""
+    seeds = itertools.count()
 
-    def run(seed: int) -> float:
+    def run() -> None:
         sp = SamplingParams(
-            n=1, max_tokens=args.new_tokens, temperature=1.0, seed=seed, ignore_eos=True
+            n=1, max_tokens=args.new_tokens, temperature=1.0, seed=next(seeds), ignore_eos=True
         )
-        t0 = time.perf_counter()
-        out = backend.generate(prompts, sp)
-        dt = time.perf_counter() - t0
-        got = sum(len(c.response_ids) for c in out)
+        got = sum(len(c.response_ids) for c in backend.generate(prompts, sp))
         if got != len(prompts) * args.new_tokens:
             raise RuntimeError(f"expected {len(prompts) * args.new_tokens} tokens, got {got}")
-        return dt
 
-    run(0)
-    return statistics.median(run(1 + r) for r in range(args.repeats))
+    return run
 
 
-def _time_score(backend: RolloutBackend, seqs: list[list[int]], repeats: int) -> float:
-    """Median seconds of one `score` call over `seqs` (after one warm-up)."""
+def _score_fn(backend: RolloutBackend, seqs: list[list[int]]) -> Callable[[], None]:
+    """One `score` call over `seqs` per invocation, checking the number of logprobs."""
 
-    def run() -> float:
-        t0 = time.perf_counter()
-        out = backend.score(seqs)
-        dt = time.perf_counter() - t0
-        if [len(x) for x in out] != [len(s) for s in seqs]:
+    def run() -> None:
+        if [len(x) for x in backend.score(seqs)] != [len(s) for s in seqs]:
             raise RuntimeError("score returned the wrong number of logprobs")
-        return dt
 
-    run()
-    return statistics.median(run() for _ in range(repeats))
+    return run
+
+
+def _time(backend: RolloutBackend, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """Median seconds of one batched generate call (after one warm-up)."""
+    return median_seconds(_generate_fn(backend, prompts, args), repeats=args.repeats)
 
 
 def _print_table(title: str, results: dict[str, float], tokens: int, ref_name: str) -> None:
@@ -136,31 +138,41 @@ def _real_model(args: argparse.Namespace, prompts: list[list[int]]) -> None:
     rng = np.random.default_rng(1)
     seqs = [p + rng.integers(0, cfg.vocab_size, args.new_tokens).tolist() for p in prompts]
     tokens = args.batch * args.new_tokens
-    gen: dict[str, float] = {}
-    score: dict[str, float] = {}
-    splits: dict[str, dict[str, float]] = {}
     overrides = {"compute_dtype": jnp.float32}
-    for recipe in ("fp8_block", "bf16"):
-        engine = EmbeddedBackend.from_hf_dir(
+    backends: dict[str, RolloutBackend] = {
+        f"embedded/{recipe}": EmbeddedBackend.from_hf_dir(
             model_dir, recipe=recipe, config_overrides=overrides, max_len=1024
         )
-        gen[f"embedded/{recipe}"] = _time(engine, prompts, args)
-        score[f"embedded/{recipe}"] = _time_score(engine, seqs, args.repeats)
-        batch = generate_batch(
-            [tuple(p) for p in prompts],
-            list(range(len(prompts))),
-            SamplingParams(max_tokens=args.new_tokens),
-            set(),
+        for recipe in ("fp8_block", "bf16")
+    }
+    # Every backend is up at once and timed round-robin (`interleaved_median_seconds`), so a
+    # load that comes and goes on a shared machine falls on all of them alike.
+    with contextlib.ExitStack() as stack:
+        if not args.skip_vllm:
+            ensure_vllm_env()
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="jfp8rl-bench-"))
+            srv = stack.enter_context(VllmServer(model_dir, dtype="float32", max_model_len=1024))
+            settings = ClientSettings(export_root=Path(tmp) / "y")
+            backends["vllm/fp32"] = HttpBackend(srv.url, settings)
+        gen = interleaved_median_seconds(
+            {name: (_generate_fn(b, prompts, args), ()) for name, b in backends.items()},
+            repeats=args.repeats,
         )
+        score = interleaved_median_seconds(
+            {name: (_score_fn(b, seqs), ()) for name, b in backends.items()},
+            repeats=args.repeats,
+        )
+    batch = generate_batch(
+        [tuple(p) for p in prompts],
+        list(range(len(prompts))),
+        SamplingParams(max_tokens=args.new_tokens),
+        set(),
+    )
+    splits = {}
+    for recipe in ("fp8_block", "bf16"):
+        engine = backends[f"embedded/{recipe}"]
         splits[recipe] = decode_split(engine, len(batch.prompt), batch.cache_len, args.repeats)
         engine.close()
-    if not args.skip_vllm:
-        ensure_vllm_env()
-        with tempfile.TemporaryDirectory(prefix="jfp8rl-bench-") as tmp:
-            with VllmServer(model_dir, dtype="float32", max_model_len=1024) as srv:
-                client = HttpBackend(srv.url, ClientSettings(export_root=Path(tmp) / "y"))
-                gen["vllm/fp32"] = _time(client, prompts, args)
-                score["vllm/fp32"] = _time_score(client, seqs, args.repeats)
     scored = sum(len(s) for s in seqs)
     _print_table(
         f"rollout throughput ({model_dir.name}, f32 compute): {args.batch} prompts x "

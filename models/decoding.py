@@ -105,6 +105,14 @@ def init_cache(
     )
 
 
+def take_rows(cache: KVCache, rows: Int[Array, " R"]) -> KVCache:
+    """The cache of rows `rows` (row r of the result is row rows[r] of `cache`): e.g. one
+    prefilled prompt's cache copied to each of its samples."""
+    return cache._replace(
+        k=cache.k[:, rows], v=cache.v[:, rows], mask=cache.mask[rows], pos=cache.pos[rows]
+    )
+
+
 def _cache_format(cache: KVCache, compute_dtype: jnp.dtype) -> str:
     """The `kv_cache_dtype` a cache was made with, from its storage dtype."""
     for name in kvq.KV_CACHE_DTYPES:

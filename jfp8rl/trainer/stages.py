@@ -276,11 +276,15 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     t1 = time.perf_counter()
     calibrate = t.is_calibration_step(p.step)
     full, prep = stage_prepare(t, state, batch, calibrate)
+    jax.block_until_ready(full)  # so that prepare_s holds prepare's compute, not update_s
+    t_prep = time.perf_counter() - t1
     if t.cfg.logging.rollout_samples and distributed.is_main():
         write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
                        t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip
     log_memory(t.log, f"prepare {p.step}")
+    t2 = time.perf_counter()
     upd = stage_update(t, state, full, p.step, calibrate)
+    t_update = time.perf_counter() - t2
     t_train = time.perf_counter() - t1
     log_memory(t.log, f"update {p.step}")
     t_settle = stage_settle(t)
@@ -288,7 +292,9 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     log_memory(t.log, f"sync {p.step}")
     timings = {
         "rollout_s": t_roll,
-        "train_s": t_train,
+        "train_s": t_train,  # prepare + update (+ writing the rollout samples)
+        "prepare_s": t_prep,  # the batch's old and reference logprobs, advantages
+        "update_s": t_update,  # the optimizer updates
         "sync_s": t_sync,
         "step_s": time.perf_counter() - t0,
     }

@@ -24,6 +24,7 @@ from models.fp8.quantization import (
     quantize,
     quantize_operand,
     quantize_weight,
+    round_to_format,
     scale_shape,
     weight_tile,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "dense_weights",
     "dequantize",
     "fake_quantize",
+    "round_to_format",
     "fake_quantize_operand",
     "fake_quantize_weight",
     "fp8_dot_general",

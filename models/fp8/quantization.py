@@ -110,15 +110,42 @@ def quantize(
       and `dequantize(q, scale, tile)` ~= x. Values past fmax * scale saturate to +-fmax.
     """
     x = jnp.asarray(x)
-    tiles = _tile_lengths(x.shape, tile)
-    xt = _tiled(x.astype(jnp.float32), tiles)
+    y, scale, inner = _scaled_tiles(x, fmt, tile, pow2)
+    return _untile(y.astype(FP8_DTYPES[fmt]), x.shape), jnp.squeeze(scale, axis=inner)
+
+
+def _scaled_tiles(
+    x: Array, fmt: Format, tile: Sequence[int | None], pow2: bool
+) -> tuple[Array, Array, tuple[int, ...]]:
+    """(clip(x / s, -fmax, fmax), s, tile axes) on the tiled f32 x (`_tiled`): what `quantize`
+    casts to FP8, the per-tile scales (keepdims), and the axes they were reduced over."""
+    xt = _tiled(x.astype(jnp.float32), _tile_lengths(x.shape, tile))
     inner = tuple(range(1, xt.ndim, 2))
     amax = jnp.max(jnp.abs(xt), axis=inner, keepdims=True) if xt.size else jnp.zeros_like(xt)
     # A NaN in the group must poison the scale: max() propagates NaN, abs(inf) = inf.
     scale = compute_scale(amax, fmt, pow2)
     fmax = jnp.float32(FP8_MAX[fmt])
-    q = jnp.clip(xt / scale, -fmax, fmax).astype(FP8_DTYPES[fmt])
-    return _untile(q, x.shape), jnp.squeeze(scale, axis=inner)
+    return jnp.clip(xt / scale, -fmax, fmax), scale, inner
+
+
+# Per format: mantissa bits and the exponent of the smallest normal (below it the grid is the
+# subnormal spacing 2^(emin - mbits)).
+_GRID = {"e4m3": (3, -6), "e5m2": (2, -14)}
+
+
+def round_to_format(y: Float[Array, "..."], fmt: Format) -> Float[Array, "..."]:
+    """`y.astype(fp8).astype(f32)` for f32 `y` with |y| <= fmax (or NaN), as f32 arithmetic:
+    round to nearest even on the format's grid, whose spacing at |y| is
+    2^(max(exponent(|y|), emin) - mbits). Exact: the division and product are by powers of two.
+
+    The same values as the cast bit for bit (tested against ml_dtypes), in ops the CPU backend
+    vectorises: XLA:CPU converts to FP8 element by element, several times slower."""
+    mbits, emin = _GRID[fmt]
+    a = jnp.abs(y)
+    expo = (jax.lax.bitcast_convert_type(a, jnp.int32) >> 23) - 127  # floor(log2 a), a normal
+    spacing_bits = (jnp.maximum(expo, emin) - mbits + 127) << 23
+    spacing = jax.lax.bitcast_convert_type(spacing_bits, jnp.float32)
+    return jnp.copysign(jnp.round(a / spacing) * spacing, y)
 
 
 def dequantize(
@@ -171,9 +198,11 @@ def dense_weights(tree: object) -> object:
 
 
 def fake_quantize(x: Array, fmt: Format, tile: Sequence[int | None], *, pow2: bool) -> Array:
-    """dequantize(quantize(x)) in f32: the value an FP8 GEMM operand really holds."""
-    q, scale = quantize(x, fmt, tile, pow2=pow2)
-    return dequantize(q, scale, tile)
+    """dequantize(quantize(x)) in f32: the value an FP8 GEMM operand really holds (the FP8
+    cast done as f32 arithmetic, `round_to_format`: the same values)."""
+    x = jnp.asarray(x)
+    y, scale, _ = _scaled_tiles(x, fmt, tile, pow2)
+    return _untile(round_to_format(y, fmt) * scale, x.shape)
 
 
 def nonfinite_count(x: Array) -> Array:

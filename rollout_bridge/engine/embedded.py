@@ -6,7 +6,9 @@ block checkpoints).
 
 Generation, one jitted call (`programs.generate_rows`) per chunk of at most `max_num_seqs`
 rows (the prompts x n samples of a `generate`, prompt-major, as padded batches: `batching`);
-`prefill` fills the KV cache and gives the first next-token logits, then a `lax.while_loop`
+`prefill` fills the KV cache and gives the first next-token logits (once per distinct prompt
+of the chunk: its n samples copy that cache row, as vLLM's parallel sampling shares the
+prompt's KV blocks), then a `lax.while_loop`
 runs `decode_step` + sampling until every row has finished (stop/eos token or its max_tokens)
 or the step budget is spent. Every sampling knob is a traced per-row array, so RL steps with
 similar shapes reuse one executable. The sampling rules and the logprob convention are those of
@@ -258,8 +260,9 @@ class EmbeddedBackend(RolloutBackend):
             toks, lps, lens = generate_rows(
                 self.graphdef,
                 self.params,
-                prompt,
-                mask,
+                jnp.asarray(batch.prefill_prompt),
+                jnp.asarray(batch.prefill_mask),
+                jnp.asarray(batch.source),
                 keys,
                 jnp.full((b,), sp.temperature, jnp.float32),
                 jnp.full((b,), min(sp.top_k, self.cfg.vocab_size), jnp.int32),  # >= V: off

@@ -39,8 +39,9 @@ from rollout_bridge.engine import sampling as smp
 def generate_rows(
     graphdef: Any,
     params: Any,
-    prompt: Int[Array, "B P"],
-    mask: Int[Array, "B P"],
+    prompt: Int[Array, "U P"],
+    mask: Int[Array, "U P"],
+    source: Int[Array, " B"],
     keys: Array,
     temperature: Float[Array, " B"],
     top_k: Int[Array, " B"],
@@ -56,15 +57,19 @@ def generate_rows(
 ) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
     """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
 
-    Entries past a row's length are 0. A row is done once it emits a stop id or reaches its
-    `max_new`; rows with `max_new == 0` (batch padding) are done from the start.
+    Row b continues prompt `source[b]` (the n samples of a prompt share one prefill: the
+    prompts are prefilled once each and their KV-cache rows copied to the rows). Entries past
+    a row's length are 0. A row is done once it emits a stop id or reaches its `max_new`; rows
+    with `max_new == 0` (batch padding) are done from the start.
     """
-    rows, plen = prompt.shape
+    rows, plen = source.shape[0], prompt.shape[1]
     steps = cache_len - plen
     cache = decoding.init_cache(
-        cfg, rows, cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales
+        cfg, prompt.shape[0], cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales
     )
     logits, cache = decoding.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
+    if prompt.shape[0] != rows:  # one prefill per prompt: copy its cache row to each sample
+        logits, cache = logits[source], decoding.take_rows(cache, source)
     tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
     live = max_new > 0
     out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))

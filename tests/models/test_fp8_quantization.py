@@ -10,6 +10,7 @@ import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from _model_testlib import (
     MIN_NORMAL,
@@ -49,9 +50,11 @@ class QuantizeTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(q).astype(np.float64), q_ref)
         deq = fp8.dequantize(q, scale, tile)
         # q * s rounded once to f32, as an f32 multiply does.
-        np.testing.assert_array_equal(
-            np.asarray(deq), ref_fake_quant(x, fmt, tile, pow2).astype(np.float32)
-        )
+        want = ref_fake_quant(x, fmt, tile, pow2).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(deq), want)
+        # fake_quantize rounds by f32 arithmetic instead of the cast: the same bits.
+        fake = self.variant(lambda v: fp8.fake_quantize(v, fmt, tile, pow2=pow2))(x)
+        np.testing.assert_array_equal(np.asarray(fake), np.asarray(deq))
 
     @parameterized.product(fmt=["e4m3", "e5m2"], granularity=["tensor", "row", "act_block"])
     def test_relative_error_bound_on_normals(self, fmt, granularity):
@@ -75,6 +78,26 @@ class QuantizeTest(chex.TestCase, parameterized.TestCase):
         deq = np.asarray(fp8.dequantize(q, scale, (1, 128)))
         self.assertTrue(np.all(np.isnan(deq[1])))
         self.assertEqual(int(fp8.nonfinite_count(x)), 2)
+
+    @parameterized.parameters("e4m3", "e5m2")
+    def test_round_to_format_is_the_cast(self, fmt):
+        """Every f32 in [0, fmax] on a stride of 61 bit patterns, every midpoint between
+        neighbouring FP8 values and the f32 values one ulp either side of it, both signs,
+        +-0 and NaN: `round_to_format` equals ml_dtypes' cast (round to nearest even)."""
+        dtype = NP_DTYPES[fmt]
+        fmax = float(ml_dtypes.finfo(dtype).max)
+        top = int(np.float32(fmax).view(np.uint32))
+        swept = np.arange(0, top + 1, 61, dtype=np.uint32).view(np.float32)
+        codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+        grid = np.unique(codes[np.isfinite(codes) & (codes >= 0)])
+        mid = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)
+        near = np.concatenate([mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf), grid])
+        y = np.concatenate([swept, near, [fmax, 0.0]]).astype(np.float32)
+        y = np.concatenate([y, -y, [np.nan]])
+        want = y.astype(dtype).astype(np.float32)
+        got = np.asarray(jax.jit(fp8.round_to_format, static_argnums=1)(y, fmt))
+        np.testing.assert_array_equal(got.view(np.uint32)[:-1], want.view(np.uint32)[:-1])
+        self.assertTrue(np.isnan(got[-1]))
 
     def test_saturation_to_fmax(self):
         # A pow2 scale above amax/fmax keeps values in range; a forced power-of-two boundary

@@ -22,7 +22,7 @@ from models.config import get_config
 from models.fp8 import get_recipe
 from models.hf_io import from_hf_state_dict, hf_name_map, iter_hf_state, random_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
-from rollout_bridge.engine.batching import bucket, row_bucket
+from rollout_bridge.engine.batching import bucket, generate_batch, length_bucket, row_bucket
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.engine.params import served_params
 from rollout_bridge.weights.reader import load_export
@@ -93,22 +93,30 @@ def test_bucket():
     assert [bucket(n, 8) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 32]
 
 
-def test_row_bucket():
-    """Four row counts per octave from 8 on: m * 2^e, m in 4..7, padding under 25%."""
+def test_row_and_length_buckets():
+    """Rows: eight sizes per octave from 8 on (padding under 12.5%); prompt and scored lengths:
+    four from 16 on (under 25%); each the smallest multiple of 2^e / (2 * per_octave) (2^e:
+    the power of two at or above it) that holds n."""
     ns = (1, 8, 9, 11, 16, 17, 33, 36, 64, 65, 200)
-    assert [row_bucket(n) for n in ns] == [8, 8, 10, 12, 16, 20, 40, 40, 64, 80, 224]
+    assert [row_bucket(n) for n in ns] == [8, 8, 9, 11, 16, 18, 36, 36, 64, 72, 208]
+    assert [length_bucket(n) for n in (1, 16, 17, 33, 48, 49, 100)] == [16, 16, 20, 40, 48, 56, 112]
     for n in range(8, 2000):
-        b = row_bucket(n)
-        assert n <= b < 1.25 * n
-        shift = b.bit_length() - 3
-        assert b >> shift in (4, 5, 6, 7) and b % (1 << shift) == 0  # m * 2^shift
+        for m, b, per_octave in ((n, row_bucket(n), 8), (n + 8, length_bucket(n + 8), 4)):
+            assert m <= b < (1 + 1 / per_octave) * m
+            step = max(1, (1 << (b - 1).bit_length()) // (2 * per_octave))
+            assert b % step == 0 and b - step < m  # the smallest multiple of the step
 
 
 def test_greedy_equals_stepwise_argmax_of_full_forward(model, engine):
-    """Mixed prompt lengths in one batch (left padding), n = 2 identical greedy samples."""
+    """Mixed prompt lengths in one batch (left padding), n = 4 identical greedy samples that
+    share their prompt's prefill (3 prompts prefilled in 8 rows, copied to 12)."""
     cfg, graphdef, params, _ = model
-    out = engine.generate(PROMPTS, SamplingParams(n=2, max_tokens=12, temperature=0.0))
-    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+    sp = SamplingParams(n=4, max_tokens=12, temperature=0.0)
+    batch = generate_batch([tuple(p) for p in PROMPTS], [0, 1, 2], sp, set())
+    assert batch.prefill_prompt.shape[0] == 8 and batch.prompt.shape[0] == 12
+    np.testing.assert_array_equal(batch.source[:12], np.repeat([0, 1, 2], 4))
+    out = engine.generate(PROMPTS, sp)
+    assert [c.prompt_index for c in out] == [0] * 4 + [1] * 4 + [2] * 4
     for c in out:
         want_ids, want_lp = _ref_greedy(
             graphdef, params, PROMPTS[c.prompt_index], 12, engine.recipe
