@@ -26,12 +26,16 @@ def interleaved_median_seconds(
 ) -> dict[str, float]:
     """Median wall time of each `fn(*args)` of `programs` (name -> (fn, args)), timed
     round-robin after one warm-up run each: every round runs each program once, so a load that
-    comes and goes on a shared machine falls on all of them alike."""
+    comes and goes on a shared machine falls on all of them alike. Round r starts at program
+    r (mod their number): one that leaves the machine busy after it returns (a server's
+    spinning worker threads) does not always slow the same next one."""
     for fn, args in programs.values():
         jax.block_until_ready(fn(*args))
     times: dict[str, list[float]] = {name: [] for name in programs}
-    for _ in range(repeats):
-        for name, (fn, args) in programs.items():
+    order = list(programs)
+    for r in range(repeats):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            fn, args = programs[name]
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
