@@ -67,7 +67,6 @@ __all__ = [
     "dense_weights",
     "dequantize",
     "fake_quantize",
-    "round_to_format",
     "fake_quantize_operand",
     "fake_quantize_weight",
     "fp8_dot_general",
@@ -78,6 +77,7 @@ __all__ = [
     "quantize",
     "quantize_operand",
     "quantize_weight",
+    "round_to_format",
     "scale_shape",
     "weight_tile",
 ]

@@ -28,8 +28,9 @@ STOP_SLOTS = 8  # stop ids per row (eos included)
 
 
 def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum): the compiled size for n."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    """The smallest power of two >= max(n, minimum) (`minimum` a power of two): the compiled
+    size for n, one size per octave."""
+    return octave_bucket(n, minimum, 1)
 
 
 def octave_bucket(n: int, minimum: int, per_octave: int) -> int:
