@@ -6,8 +6,9 @@ forward recipe, the batch shape a `generate` call compiles (`rows` bucketed rows
 after a warm-up, round-robin: `timing.interleaved_median_seconds`):
 
   decode step          `models.decoding.decode_step`: the layers with attention over the KV
-                       cache, and the LM head (the body of the decode loop, sampling apart)
-  layers, no attention the same layer scan with attention replaced by its query (the GEMMs,
+                       cache, and the LM head (the body of the decode loop, sampling apart);
+                       `STEPS` steps in a loop with the cache updated in place, per step
+  layers, no attention the same layers with attention replaced by its query (the GEMMs,
                        norms, RoPE and, for FP8 recipes, the activation quantization)
   FP8 act. quant       the activation fake-quantization of every GEMM input alone (FP8 only)
   attention + KV cache decode step - layers without attention - LM head
@@ -32,6 +33,8 @@ from models import decoding, fp8
 from models import functional as mf
 from rollout_bridge.engine import sampling as smp
 
+STEPS = 8  # decode steps per timed call of "decode step"
+
 
 def decode_split(engine: Any, rows: int, cache_len: int, repeats: int) -> dict[str, float]:
     """Seconds of each part of one decode step (module docstring) of `engine`
@@ -51,7 +54,13 @@ def decode_split(engine: Any, rows: int, cache_len: int, repeats: int) -> dict[s
 
     @jax.jit
     def step(params, tokens, cache):
-        return decoding.decode_step(graphdef, params, tokens, cache, recipe=recipe)[0]
+        # STEPS steps in a loop, the cache carried and updated in place as in `generate`.
+        def body(_, carry):
+            cache, acc = carry
+            logits, cache = decoding.decode_step(graphdef, params, tokens, cache, recipe=recipe)
+            return cache, acc + logits[:, 0]
+
+        return jax.lax.fori_loop(0, STEPS, body, (cache, jnp.zeros((rows,), jnp.float32)))[1]
 
     @jax.jit
     def layers(params, tokens):
@@ -87,6 +96,7 @@ def decode_split(engine: Any, rows: int, cache_len: int, repeats: int) -> dict[s
     if recipe.quantized:
         programs["FP8 act. quant"] = _activation_quant(cfg, recipe, rows)
     out = interleaved_median_seconds(programs, repeats=repeats)
+    out["decode step"] /= STEPS
     out["attention + KV cache"] = out["decode step"] - out["layers, no attention"] - out["LM head"]
     return out
 

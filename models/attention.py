@@ -53,6 +53,8 @@ def reference_attention(
     k: Float[Array, "B S K E"],
     v: Float[Array, "B S K E"],
     allowed: Bool[Array, "B T S"],
+    *,
+    heads_major: bool = False,
 ) -> Float[Array, "B T H E"]:
     """softmax(q k^T / sqrt(E) + mask) v with GQA (query head h reads kv head h // (H/K)),
     as out = (p v) / sum_s p with p = exp(x - max_s x) (f32, cast to v's dtype for p v).
@@ -61,15 +63,20 @@ def reference_attention(
     product (as FlashAttention does) makes a one-block `chunked_attention` the same sequence
     of roundings, so in bf16 the KV-cache decode step (this function) and the chunked prefill
     and training forward agree to f32 reduction order, not just to bf16 rounding.
+    `heads_major`: k and v are given [B, K, S, E] (the KV cache's layout, which the products
+    read without a transpose).
     """
     b, t, h, d = q.shape
-    kh = k.shape[2]
+    kv = "bksd" if heads_major else "bskd"
+    kh = k.shape[1 if heads_major else 2]
     qg = q.reshape(b, t, kh, h // kh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{kv}->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * np.float32(1.0 / np.sqrt(d))
     scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG_INF)
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    out = jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        f"bkgts,{kv}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     out = out / jnp.sum(p, axis=-1)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 

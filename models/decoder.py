@@ -8,6 +8,13 @@ a leading layer axis [L, ...] (`model.layers.self_attn.q_proj.kernel[i]` <->
 `scan_layers`). The modules are used functionally (`models.functional`): split once, merged
 inside jit.
 
+Params may also hold the layers *per layer* (`unstack_layers`: each stacked leaf as a
+`PerLayer` of its L slices), as the rollout engine installs them; `hidden_states` then runs the
+layers as L unrolled calls on those slices. A scan reads layer i's weights through a
+`dynamic_slice` of the stacked arrays, which XLA:CPU copies out before every GEMM: at every
+decode step, every weight once more. Unrolled, each GEMM reads its weights in place; the
+numbers are the same, the program is L layers long (compile time grows with depth).
+
 Precision: params are `cfg.param_dtype` (f32 masters). Activations run in `cfg.compute_dtype`.
 Every attention/MLP projection calls the `dot_general` passed at call time (the recipe's FP8 or
 plain one), so the same params run under any recipe. Embedding lookup, RMSNorm (f32 inside),
@@ -19,6 +26,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +52,61 @@ REMAT_POLICIES: dict[str, Any] = {
 # attend(q [B,T,H,E], k [B,T,K,E], v [B,T,K,E], carry) -> (output [B,T,H,E], carry): one layer's
 # attention; `carry` is threaded through the layer scan (the KV cache when decoding, else None).
 Attend = Callable[[Array, Array, Array, Any], tuple[Array, Any]]
-# attend_at(layer_index, q, k, v, carry): the same with the (traced int32) layer index.
+# attend_at(layer_index, q, k, v, carry): the same with the layer index (a traced int32 in the
+# layer scan, a Python int when the layers run unrolled).
 AttendAt = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("slices",), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class PerLayer:
+    """A stacked layer param [L, ...] held as its L slices (`unstack_layers`)."""
+
+    slices: tuple[Any, ...]
+
+
+def _is_per_layer(x: object) -> bool:
+    return isinstance(x, PerLayer)
+
+
+def unstack_layers(params: nnx.State) -> nnx.State:
+    """`params` with every leaf of the stacked decoder layers (`model.layers`) replaced by a
+    `PerLayer` of its L slices (module docstring): the same values, for a forward that runs
+    the layers unrolled. A leaf that is a pytree (`models.fp8.StoredFP8Weight`) is sliced
+    leaf by leaf. Takes a new copy of the slices; the caller may drop the stacked params.
+    Params already held per layer are returned as they are."""
+
+    def split(var: nnx.Variable) -> nnx.Variable:
+        value = var.get_value()
+        if _is_per_layer(value):
+            return var
+        n = jax.tree.leaves(value)[0].shape[0]
+        return var.replace(PerLayer(tuple(jax.tree.map(lambda x: x[i], value) for i in range(n))))
+
+    out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    layers = out["model"]["layers"]
+    out["model"]["layers"] = jax.tree.map(
+        split, layers, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return out
+
+
+def per_layer_params(layer_params: nnx.State, num_layers: int) -> list[nnx.State] | None:
+    """The L per-layer states of layer params held per layer (`unstack_layers`), or None for
+    stacked params; a mix of the two is an error."""
+    leaves = jax.tree.leaves(layer_params, is_leaf=_is_per_layer)
+    held = [_is_per_layer(x) for x in leaves]
+    if not any(held):
+        return None
+    if not all(held) or any(len(x.slices) != num_layers for x in leaves):
+        raise ValueError(
+            f"decoder layer params: either every leaf stacked or every leaf a PerLayer of "
+            f"{num_layers} slices (models.decoder.unstack_layers), not a mix"
+        )
+    return [
+        jax.tree.map(lambda x, i=i: x.slices[i], layer_params, is_leaf=_is_per_layer)
+        for i in range(num_layers)
+    ]
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> Array:
@@ -289,8 +352,8 @@ class Decoder(nnx.Module):
     ) -> tuple[Float[Array, "B T D"], Any]:
         """Final-normed hidden states (compute dtype) and the final `carry`.
 
-        One `lax.scan` over the stacked layers: step i merges layer i's params and runs
-        x <- layer_i(x), with `attend_at(i, q, k, v, carry) -> (out, carry)` doing its attention
+        One `lax.scan` over the stacked layers (or, with the layers held per layer, L unrolled
+        calls: module docstring): step i merges layer i's params and runs x <- layer_i(x), with `attend_at(i, q, k, v, carry) -> (out, carry)` doing its attention
         (masked self-attention for a full forward; a KV-cache write + read when decoding, the
         cache being the `carry`). `remat` is the layer body's `jax.checkpoint` policy
         (`REMAT_POLICIES`); a non-"none" policy needs `carry=None`, since a rematerialised body
@@ -305,7 +368,7 @@ class Decoder(nnx.Module):
         x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
         layer_def, layer_params = nnx.split(self.model.layers)
 
-        def layer(params_i: nnx.State, x: Array, carry: Any, i: Array) -> tuple[Array, Any]:
+        def layer(params_i: nnx.State, x: Array, carry: Any, i: Any) -> tuple[Array, Any]:
             def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
                 return attend_at(i, q, k, v, c)
 
@@ -322,6 +385,14 @@ class Decoder(nnx.Module):
             params_i, i = xs
             return layer(params_i, *state, i), None
 
+        per_layer = per_layer_params(layer_params, cfg.num_layers)
+        if per_layer is not None:
+            for i, params_i in enumerate(per_layer):
+                x, carry = layer(params_i, x, carry, i)
+                # x is materialised between layers, as the scan does: XLA may not fuse across
+                # layers and skip a rounding of the compute dtype (bf16 excess precision).
+                x = jax.lax.optimization_barrier(x)
+            return self.model.norm(x), carry
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_params, layer_ids))
         return self.model.norm(x), carry

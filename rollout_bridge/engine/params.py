@@ -9,7 +9,9 @@ the unquantized recipe the cast to the compute dtype. The forward then runs with
 `prequantized_weights=True`, so a decode step only quantizes its activations, with the same
 numbers bit for bit as quantizing the weights in every step. The cost is memory: installed
 kernels take 4 bytes per weight (f32 holding FP8 values), which on CPU is faster than
-dequantizing 1-byte codes in every decode step.
+dequantizing 1-byte codes in every decode step. The installed layers are held per layer
+(`models.decoder.unstack_layers`), so every program runs them unrolled and each GEMM reads
+its layer's weights in place instead of a copy sliced out of the stacked arrays at every step.
 
 Re-quantizing `q * s` is not bit-idempotent in general: the re-derived scale
 `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged and the scales
@@ -27,6 +29,7 @@ import numpy as np
 
 from models import fp8
 from models.config import ModelConfig
+from models.decoder import unstack_layers
 from models.fp8 import Recipe
 from models.hf_io import from_hf_state_dict, hf_name_map
 from rollout_bridge.backend import RolloutError
@@ -98,4 +101,4 @@ def install(params: Any, cfg: ModelConfig, recipe: Recipe) -> Any:
     )
     for leaf, k in zip(nodes, kernels, strict=True):
         leaf.set_value(k)
-    return params
+    return unstack_layers(params)

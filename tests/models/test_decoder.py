@@ -1,6 +1,6 @@
 """Scanned layers: equal to a per-layer Python loop over the stacked params (logits and
 gradients, f32), remat policies change nothing numerically, and the program does not grow
-with depth."""
+with depth. Params held per layer (the rollout engine's) give the scan's numbers bit for bit."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from models import fp8
 from models import functional as F
 from models.attention import causal_self_attention
 from models.config import get_config
-from models.decoder import rope_cos_sin, rope_inv_freq
+from models.decoder import PerLayer, per_layer_params, rope_cos_sin, rope_inv_freq, unstack_layers
 
 
 def unrolled_logits(graphdef, params, tokens, mask):
@@ -66,6 +66,44 @@ def test_scan_equals_per_layer_loop(name):
     g_scan = jax.jit(jax.grad(loss_scan))(params)
     g_loop = jax.jit(jax.grad(loss_loop))(params)
     chex.assert_trees_all_close(g_scan, g_loop, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("f32", [True, False])
+def test_params_held_per_layer_give_the_scanned_numbers(name, f32):
+    """`unstack_layers` params run the layers unrolled: the same logits as the layer scan bit
+    for bit, in f32 and in bf16 compute (where XLA's excess precision would differ if a fusion
+    spanned two layers), under the unquantized and the FP8 block recipe; the layer scan is gone."""
+    cfg, graphdef, params = tiny(name, f32=f32)
+    per_layer = unstack_layers(params)
+    kernel = per_layer["model"]["layers"]["self_attn"]["q_proj"]["kernel"].get_value()
+    assert isinstance(kernel, PerLayer) and len(kernel.slices) == cfg.num_layers
+    np.testing.assert_array_equal(
+        kernel.slices[1], params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][1]
+    )
+    assert unstack_layers(per_layer) is not per_layer  # idempotent: a copy, the same leaves
+    chex.assert_trees_all_equal(unstack_layers(per_layer), per_layer)
+    tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 3))
+    forward = jax.jit(F.forward, static_argnums=0, static_argnames="recipe")
+    for recipe in (fp8.BF16, fp8.FP8_BLOCK):
+        np.testing.assert_array_equal(
+            np.asarray(forward(graphdef, per_layer, tokens, mask, recipe=recipe)),
+            np.asarray(forward(graphdef, params, tokens, mask, recipe=recipe)),
+        )
+    jaxpr = jax.make_jaxpr(lambda p: F.forward(graphdef, p, tokens, mask, recipe=fp8.BF16))
+
+    def top_level_dots(p) -> int:  # GEMMs outside any loop: the layers' only when unrolled
+        return sum(e.primitive.name == "dot_general" for e in jaxpr(p).jaxpr.eqns)
+
+    assert top_level_dots(params) < 7 <= 7 * cfg.num_layers <= top_level_dots(per_layer)
+
+
+def test_a_mix_of_stacked_and_per_layer_leaves_is_refused():
+    cfg, _, params = tiny("tiny_qwen3")
+    layers = unstack_layers(params)["model"]["layers"]
+    layers["mlp"]["up_proj"]["kernel"] = params["model"]["layers"]["mlp"]["up_proj"]["kernel"]
+    with pytest.raises(ValueError, match="not a mix"):
+        per_layer_params(layers, cfg.num_layers)
 
 
 def test_layers_are_stacked_and_distinct():

@@ -70,9 +70,9 @@ def test_fp8_cache_decoding_equals_float64_reference_model():
     scales = calibrate(graphdef, params, tokens[:, :6], mask[:, :6], recipe=recipe)
     cache = decoding.init_cache(cfg, 2, 10, kv_cache_dtype="fp8", kv_scales=scales)
     last, cache = prefill(graphdef, params, tokens[:, :6], mask[:, :6], cache, recipe=recipe)
-    real = np.asarray(mask[:, :6], bool)[None, :, :, None, None]
-    for c in (cache.k, cache.v):
-        top = np.where(real, np.abs(np.asarray(c[:, :, :6], np.float64)), 0)
+    real = np.asarray(mask[:, :6], bool)[None, :, None, :, None]
+    for c in (cache.k, cache.v):  # per layer [B, K, S, E]
+        top = np.where(real, np.abs(np.stack(c)[:, :, :, :6].astype(np.float64)), 0)
         np.testing.assert_array_equal(top.max(axis=(1, 2, 3, 4)), 448.0)
     steps = [last]
     for t in range(6, 10):
