@@ -1,4 +1,5 @@
-"""Where one `generate` call of the embedded engine spends its time: XLA:CPU's own op timings.
+"""Where one `generate` (or `score`) call of the embedded engine spends its time: XLA:CPU's own
+op timings.
 
 Loads an HF folder (e.g. scripts/get_smollm2.sh's) with f32 compute under one rollout recipe,
 runs `--batch` prompts of `--prompt-len`/2..`--prompt-len` random tokens x `--new-tokens` new
@@ -8,10 +9,11 @@ tokens (temperature 1, ignore_eos) once to compile, once timed, then once under
 the JAX primitive it came from (read from the compiled program's HLO, dumped for the purpose).
 The sums are thread seconds (two threads on a 2-core machine: they add up to more than the
 wall time); the prefill's GEMMs have the prompt rows x length as their first dimension, the
-decode loop's the rows alone.
+decode loop's the rows alone. `--score` profiles the teacher-forced scoring of the prompts ++
+`--new-tokens` random tokens instead (the `score_logprobs` program).
 
     .venv/bin/python benchmarks/profile_generate.py --model DIR [--recipe fp8_block]
-        [--batch 36] [--prompt-len 48] [--new-tokens 64] [--top 30]
+        [--batch 36] [--prompt-len 48] [--new-tokens 64] [--top 30] [--score]
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import time
 from pathlib import Path
 
 
-def _hlo_ops(dump_dir: Path) -> dict[str, str]:
-    """Instruction name -> "kind shape primitive" of the compiled `generate_rows` program."""
-    files = sorted(dump_dir.glob("*generate_rows.cpu_after_optimizations.txt"))
+def _hlo_ops(dump_dir: Path, program: str) -> dict[str, str]:
+    """Instruction name -> "kind shape primitive" of the compiled `program`."""
+    files = sorted(dump_dir.glob(f"*{program}.cpu_after_optimizations.txt"))
     ops: dict[str, str] = {}
     for line in files[-1].read_text().splitlines() if files else []:
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) [\w\-]+\(", line)
@@ -66,11 +68,13 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--score", action="store_true", help="profile a score call instead")
     args = parser.parse_args()
+    program = "score_logprobs" if args.score else "generate_rows"
     dump = Path(tempfile.mkdtemp(prefix="jfp8rl-hlo-"))
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "")
-        + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*generate_rows.*"
+        + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*{program}.*"
     )
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jax
@@ -93,10 +97,12 @@ def main() -> None:
         for _ in range(args.batch)
     ]
 
+    seqs = [p + rng.integers(0, engine.cfg.vocab_size, args.new_tokens).tolist() for p in prompts]
+
     def call(seed: int) -> float:
         sp = SamplingParams(max_tokens=args.new_tokens, temperature=1.0, seed=seed, ignore_eos=True)
         t0 = time.perf_counter()
-        engine.generate(prompts, sp)
+        engine.score(seqs) if args.score else engine.generate(prompts, sp)
         return time.perf_counter() - t0
 
     print(f"compile + first call {call(0):.2f} s; timed call {call(1):.2f} s", flush=True)
@@ -105,7 +111,7 @@ def main() -> None:
     wall = call(2)
     jax.profiler.stop_trace()
     secs, calls = _op_seconds(trace)
-    ops = _hlo_ops(dump)
+    ops = _hlo_ops(dump, program)
     by_what: collections.Counter = collections.Counter()
     n_what: collections.Counter = collections.Counter()
     for name, s in secs.items():

@@ -74,9 +74,7 @@ def reference_attention(
     scores = scores * np.float32(1.0 / np.sqrt(d))
     scores = jnp.where(allowed[:, None, None, :, :], scores, _NEG_INF)
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    out = jnp.einsum(
-        f"bkgts,{kv}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    out = jnp.einsum(f"bkgts,{kv}->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out / jnp.sum(p, axis=-1)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)
 

@@ -13,7 +13,8 @@ Params may also hold the layers *per layer* (`unstack_layers`: each stacked leaf
 layers as L unrolled calls on those slices. A scan reads layer i's weights through a
 `dynamic_slice` of the stacked arrays, which XLA:CPU copies out before every GEMM: at every
 decode step, every weight once more. Unrolled, each GEMM reads its weights in place; the
-numbers are the same, the program is L layers long (compile time grows with depth).
+numbers are the same bit for bit (tested), the program is L layers long (compile time grows
+with depth).
 
 Precision: params are `cfg.param_dtype` (f32 masters). Activations run in `cfg.compute_dtype`.
 Every attention/MLP projection calls the `dot_general` passed at call time (the recipe's FP8 or
@@ -24,11 +25,10 @@ precision, as in DeepSeek-V3's FP8 recipe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,8 @@ def unstack_layers(params: nnx.State) -> nnx.State:
         if _is_per_layer(value):
             return var
         n = jax.tree.leaves(value)[0].shape[0]
-        return var.replace(PerLayer(tuple(jax.tree.map(lambda x: x[i], value) for i in range(n))))
+        slices = tuple(jax.tree.map(lambda x, i=i: x[i], value) for i in range(n))
+        return var.replace(PerLayer(slices))
 
     out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     layers = out["model"]["layers"]
@@ -353,9 +354,10 @@ class Decoder(nnx.Module):
         """Final-normed hidden states (compute dtype) and the final `carry`.
 
         One `lax.scan` over the stacked layers (or, with the layers held per layer, L unrolled
-        calls: module docstring): step i merges layer i's params and runs x <- layer_i(x), with `attend_at(i, q, k, v, carry) -> (out, carry)` doing its attention
-        (masked self-attention for a full forward; a KV-cache write + read when decoding, the
-        cache being the `carry`). `remat` is the layer body's `jax.checkpoint` policy
+        calls: module docstring): step i merges layer i's params and runs x <- layer_i(x),
+        with `attend_at(i, q, k, v, carry) -> (out, carry)` doing its attention (masked
+        self-attention for a full forward; a KV-cache write + read when decoding, the cache
+        being the `carry`). `remat` is the layer body's `jax.checkpoint` policy
         (`REMAT_POLICIES`); a non-"none" policy needs `carry=None`, since a rematerialised body
         must not thread state (decoding passes "none").
         """
@@ -364,7 +366,9 @@ class Decoder(nnx.Module):
             raise ValueError(f"remat={remat!r}: use one of {sorted(REMAT_POLICIES)}")
         if remat != "none" and carry is not None:
             raise ValueError(f"remat={remat!r} with a carry (decoding): decode with remat='none'")
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        # The RoPE tables are materialised once, as a scan's loop-invariant operands are: left
+        # to fuse into unrolled layers, XLA recomputes cos/sin there with other f32 roundings.
+        cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, rope_inv_freq(cfg)))
         x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
         layer_def, layer_params = nnx.split(self.model.layers)
 
@@ -389,8 +393,8 @@ class Decoder(nnx.Module):
         if per_layer is not None:
             for i, params_i in enumerate(per_layer):
                 x, carry = layer(params_i, x, carry, i)
-                # x is materialised between layers, as the scan does: XLA may not fuse across
-                # layers and skip a rounding of the compute dtype (bf16 excess precision).
+                # x is materialised between layers, as in the scan: a fusion across two layers
+                # could skip a rounding to the compute dtype (XLA's bf16 excess precision).
                 x = jax.lax.optimization_barrier(x)
             return self.model.norm(x), carry
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -61,17 +61,23 @@ Layers = tuple[tuple[Array, ...], tuple[Array, ...]]
 
 def _write_layer(
     layers: Layers, layer: int, k: Array, v: Array, s: KVScales, start: Array
-) -> tuple[tuple[Array, Array], Layers]:
-    """Layer `layer`'s new keys and values [B, T, K, E] as the cache stores them
-    (`kv_quant.store` with the layer's scales), and the per-layer caches with them written at
-    slots [start, start + T) of layer `layer` (an in-place update of that array)."""
-    out = []
-    for x, sc, caches in zip((k, v), (s.k, s.v), layers, strict=True):
-        stored = kvq.store(x, sc[layer], caches[layer].dtype).transpose(0, 2, 1, 3)
-        new = jax.lax.dynamic_update_slice(caches[layer], stored, (0, 0, start, 0))
-        out.append((stored, caches[:layer] + (new,) + caches[layer + 1 :]))
-    (k_st, k_all), (v_st, v_all) = out
-    return (k_st, v_st), (k_all, v_all)
+) -> Layers:
+    """The per-layer caches with layer `layer`'s new keys and values [B, T, K, E], as the
+    cache stores them (`kv_quant.store` with the layer's scales), written at slots
+    [start, start + T) of that layer's array (an in-place update)."""
+    k_all, v_all = (
+        caches[:layer]
+        + (
+            jax.lax.dynamic_update_slice(
+                caches[layer],
+                kvq.store(x, sc[layer], caches[layer].dtype).transpose(0, 2, 1, 3),
+                (0, 0, start, 0),
+            ),
+        )
+        + caches[layer + 1 :]
+        for x, sc, caches in zip((k, v), (s.k, s.v), layers, strict=True)
+    )
+    return k_all, v_all
 
 
 def init_cache(
@@ -150,7 +156,7 @@ def prefill(
     start = jnp.int32(0)
 
     def attend_at(i: int, q: Array, k: Array, v: Array, layers: Layers) -> tuple[Array, Layers]:
-        return attend(i, q, k, v), _write_layer(layers, i, k, v, cache.scales, start)[1]
+        return attend(i, q, k, v), _write_layer(layers, i, k, v, cache.scales, start)
 
     h, (k_all, v_all) = model.hidden_states(
         tokens,
@@ -189,7 +195,7 @@ def decode_step(
 
     def attend_at(i: int, q: Array, k: Array, v: Array, layers: Layers) -> tuple[Array, Layers]:
         # Layer i's cache with the new entry written at slot `index`, read as stored.
-        _, layers = _write_layer(layers, i, k, v, cache.scales, index)
+        layers = _write_layer(layers, i, k, v, cache.scales, index)
         k_i, v_i = (
             kvq.load(c[i], sc[i], q.dtype) for c, sc in zip(layers, cache.scales, strict=True)
         )

@@ -10,8 +10,9 @@ the unquantized recipe the cast to the compute dtype. The forward then runs with
 numbers bit for bit as quantizing the weights in every step. The cost is memory: installed
 kernels take 4 bytes per weight (f32 holding FP8 values), which on CPU is faster than
 dequantizing 1-byte codes in every decode step. The installed layers are held per layer
-(`models.decoder.unstack_layers`), so every program runs them unrolled and each GEMM reads
-its layer's weights in place instead of a copy sliced out of the stacked arrays at every step.
+(`models.decoder.unstack_layers`; the kernels come out of `install_kernels` that way), so every
+program runs them unrolled and each GEMM reads its layer's weights in place instead of a copy
+sliced out of the stacked arrays at every step.
 
 Re-quantizing `q * s` is not bit-idempotent in general: the re-derived scale
 `fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged and the scales
@@ -92,8 +93,8 @@ def kernel_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
 
 
 def install(params: Any, cfg: ModelConfig, recipe: Recipe) -> Any:
-    """A copy of `params` with the decoder kernels turned into their operand values (module
-    docstring); the caller's params are kept."""
+    """A copy of `params` with the decoder kernels turned into their operand values and the
+    layers held per layer (module docstring); the caller's params are kept."""
     params = jax.tree.map(lambda x: x, params)  # a new State
     nodes = [node(params, path) for path in kernel_paths(cfg)]
     kernels = install_kernels(

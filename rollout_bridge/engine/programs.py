@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from models import decoding, fp8
 from models import functional as mf
 from models.config import ModelConfig
+from models.decoder import PerLayer
 from models.fp8 import Recipe
 from models.kv_calibration import calibrate_kv_scales
 from models.kv_quant import KVScales
@@ -146,20 +147,24 @@ calibrate = jax.jit(calibrate_kv_scales, static_argnums=0, static_argnames="reci
 @functools.partial(jax.jit, static_argnames=("recipe", "dtype"))
 def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> dict[Any, Any]:
     """Linear kernels [L, in, out] (f32 / bf16 arrays or `models.fp8.StoredFP8Weight`) -> the
-    exact operands the forward multiplies with: per layer `fp8.fake_quantize_weight` (FP8
-    recipes; run under `recipe.prequantized_weights=True` afterwards) or the cast to the
-    compute dtype `dtype` (the unquantized recipe). Same values as computing them in every
-    decode step, so logits are unchanged bit for bit (tested)."""
+    exact operands the forward multiplies with, per layer (`models.decoder.PerLayer`; a kernel
+    without a layer axis stays one array): `fp8.fake_quantize_weight` (FP8 recipes; run under
+    `recipe.prequantized_weights=True` afterwards) or the cast to the compute dtype `dtype`
+    (the unquantized recipe). Same values as computing them in every decode step, so logits
+    are unchanged bit for bit (tested)."""
 
     def layer(w: Any) -> Array:  # one layer's kernel [in, out]
         w = fp8.dense_weights(w)
         return fp8.fake_quantize_weight(w, recipe) if recipe.quantized else w.astype(dtype)
 
-    def one(w: Any) -> Array:
-        f = layer
+    def one(w: Any) -> Any:
         ndim = (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim
+        if ndim == 2:
+            return layer(w)
+        f = layer
         for _ in range(ndim - 2):  # per layer: a tensor-wise scale must not span layers
             f = jax.vmap(f)
-        return f(w)
+        stacked = f(w)
+        return PerLayer(tuple(stacked[i] for i in range(stacked.shape[0])))
 
     return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))
