@@ -64,6 +64,13 @@ class PerLayer:
 
     slices: tuple[Any, ...]
 
+    @classmethod
+    def of(cls, stacked: Any) -> PerLayer:
+        """The L slices of `stacked` [L, ...]: an array, or a pytree of them (e.g. a
+        `models.fp8.StoredFP8Weight`) sliced leaf by leaf."""
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        return cls(tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)))
+
 
 def _is_per_layer(x: object) -> bool:
     return isinstance(x, PerLayer)
@@ -78,11 +85,7 @@ def unstack_layers(params: nnx.State) -> nnx.State:
 
     def split(var: nnx.Variable) -> nnx.Variable:
         value = var.get_value()
-        if _is_per_layer(value):
-            return var
-        n = jax.tree.leaves(value)[0].shape[0]
-        slices = tuple(jax.tree.map(lambda x, i=i: x[i], value) for i in range(n))
-        return var.replace(PerLayer(slices))
+        return var if _is_per_layer(value) else var.replace(PerLayer.of(value))
 
     out = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     layers = out["model"]["layers"]

@@ -65,19 +65,13 @@ def _write_layer(
     """The per-layer caches with layer `layer`'s new keys and values [B, T, K, E], as the
     cache stores them (`kv_quant.store` with the layer's scales), written at slots
     [start, start + T) of that layer's array (an in-place update)."""
-    k_all, v_all = (
-        caches[:layer]
-        + (
-            jax.lax.dynamic_update_slice(
-                caches[layer],
-                kvq.store(x, sc[layer], caches[layer].dtype).transpose(0, 2, 1, 3),
-                (0, 0, start, 0),
-            ),
-        )
-        + caches[layer + 1 :]
-        for x, sc, caches in zip((k, v), (s.k, s.v), layers, strict=True)
-    )
-    return k_all, v_all
+
+    def write(caches: tuple[Array, ...], x: Array, scales: Array) -> tuple[Array, ...]:
+        entry = kvq.store(x, scales[layer], caches[layer].dtype).transpose(0, 2, 1, 3)
+        new = jax.lax.dynamic_update_slice(caches[layer], entry, (0, 0, start, 0))
+        return caches[:layer] + (new,) + caches[layer + 1 :]
+
+    return write(layers[0], k, s.k), write(layers[1], v, s.v)
 
 
 def init_cache(

@@ -164,7 +164,6 @@ def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> d
         f = layer
         for _ in range(ndim - 2):  # per layer: a tensor-wise scale must not span layers
             f = jax.vmap(f)
-        stacked = f(w)
-        return PerLayer(tuple(stacked[i] for i in range(stacked.shape[0])))
+        return PerLayer.of(f(w))
 
     return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))
