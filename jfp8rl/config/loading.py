@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jfp8rl.config.checks import ConfigError
 from jfp8rl.config.run import Config
+from jfp8rl.config.sections import PRESET_KEYS
 
 
 def _describe(err: OmegaConfBaseException) -> str:
@@ -36,69 +37,103 @@ def _describe(err: OmegaConfBaseException) -> str:
     return f"key {key!r}: {msg}" if key else msg
 
 
+# Keys whose right value depends on the model and the task: a config file (or an override)
+# must set them, no default stands in (configs/tiny_cpu.yaml holds the tiny policy's values).
+REQUIRED_KEYS = ("run_dir", "optim.lr", "rollout.max_tokens", "data.max_prompt_tokens")
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
     """Defaults <- YAML file `path` <- dotted `overrides`; returns a validated `Config`.
 
-    Raises `ConfigError` naming the key (and file) for unknown keys, wrong types, bad values,
-    a missing file or a malformed override.
+    `algorithm.name` selects its preset (`jfp8rl.config.sections.algorithm_preset`) for the
+    `algorithm.*` keys that neither the file nor an override sets. With a file, `REQUIRED_KEYS`
+    must be set by it or an override (without one, the dataclass defaults stand). Raises `ConfigError` naming the key (and file) for unknown keys, wrong
+    types, bad values, a missing file or a malformed override.
     """
-    base = OmegaConf.structured(Config)
-    file_missing: set[str] = set()
+    if path is None:  # the dataclass defaults (tests), no key required
+        return resolve_config(OmegaConf.create(), "config", overrides, required=())
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} not found (pass --config configs/<name>.yaml)")
     try:
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file {p} not found (pass --config configs/<name>.yaml)")
-            try:
-                from_file = OmegaConf.load(p)
-            except Exception as e:  # yaml.YAMLError and friends: name the file
-                raise ConfigError(f"{p}: not valid YAML: {e}") from e
-            file_missing = set(OmegaConf.missing_keys(from_file))
-            try:
-                base = OmegaConf.merge(base, from_file)
-            except OmegaConfBaseException as e:
-                raise ConfigError(f"{p}: {_describe(e)}") from e
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like section.key=value")
-        # One at a time, so that an error names its override. `key=` means the empty string
-        # (OmegaConf would read it as null).
-        for item in overrides:
-            try:
-                dot = item + "''" if item.endswith("=") else item
-                base = OmegaConf.merge(base, OmegaConf.from_dotlist([dot]))
-                if "${" in item:  # resolve it now: a failing interpolation names its override
-                    OmegaConf.select(base, item.split("=", 1)[0])
-            except (OmegaConfBaseException, TypeError) as e:  # TypeError: list <- dict merges
-                raise ConfigError(f"command-line override {item!r}: {_describe(e)}") from e
-            except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
-                why = " ".join(str(e).split())
-                raise ConfigError(
-                    f"command-line override {item!r}: its value is not valid YAML ({why}); quote "
-                    "it, e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
-                ) from e
-        # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
-        # file's mandatory keys are checked against what the overrides set.
-        given = {item.split("=", 1)[0] for item in overrides}
-        missing = sorted(k for k in file_missing if k not in given)
-        if missing:
-            raise ConfigError(
-                f"{path or 'config'}: no value for {', '.join(missing)} (marked ???); set "
-                + " ".join(f"{k}=..." for k in missing)
-                + " on the command line"
-            )
+        from_file = OmegaConf.load(p)
+    except Exception as e:  # yaml.YAMLError and friends: name the file
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    return resolve_config(from_file, str(p), overrides)
+
+
+def config_from_yaml(text: str, where: str) -> Config:
+    """The `Config` a resolved YAML text (`to_yaml`, e.g. a checkpoint's) describes; errors
+    name `where`."""
+    try:
+        conf = OmegaConf.create(yaml.safe_load(text) or {})
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from e
+    return resolve_config(conf, where, ())
+
+
+def resolve_config(
+    from_file: Any,
+    where: str,
+    overrides: list[str] | tuple[str, ...],
+    required: tuple[str, ...] = REQUIRED_KEYS,
+) -> Config:
+    """Defaults <- `from_file` (an OmegaConf node read from `where`) <- `overrides`; the keys
+    `required` must be set by one of them."""
+    base = OmegaConf.structured(Config)
+    given = OmegaConf.create()  # what the file and the overrides set, untyped
+    file_missing = set(OmegaConf.missing_keys(from_file))
+    try:
+        base = OmegaConf.merge(base, from_file)
+        given = OmegaConf.merge(given, from_file)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {_describe(e)}") from e
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+    # One at a time, so that an error names its override. `key=` means the empty string
+    # (OmegaConf would read it as null).
+    for item in overrides:
         try:
-            cfg = OmegaConf.to_object(base)
-        except OmegaConfBaseException as e:
-            raise ConfigError(_describe(e)) from e
-    except ConfigError:
-        raise
+            dot = item + "''" if item.endswith("=") else item
+            one = OmegaConf.from_dotlist([dot])
+            base = OmegaConf.merge(base, one)
+            given = OmegaConf.merge(given, one)
+            if "${" in item:  # resolve it now: a failing interpolation names its override
+                OmegaConf.select(base, item.split("=", 1)[0])
+        except (OmegaConfBaseException, TypeError) as e:  # TypeError: list <- dict merges
+            raise ConfigError(f"command-line override {item!r}: {_describe(e)}") from e
+        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
+            why = " ".join(str(e).split())
+            raise ConfigError(
+                f"command-line override {item!r}: its value is not valid YAML ({why}); quote "
+                "it, e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+            ) from e
+    # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
+    # file's mandatory keys are checked against what the overrides set.
+    set_by_overrides = {item.split("=", 1)[0] for item in overrides}
+    unset = {k for k in required if OmegaConf.select(given, k, default=None) is None}
+    missing = sorted({k for k in file_missing if k not in set_by_overrides} | unset)
+    if missing:
+        raise ConfigError(
+            f"{where}: no value for {', '.join(missing)} (its value depends on the model and "
+            "task); set " + " ".join(f"{k}=..." for k in missing) + " in the config file or "
+            "on the command line"
+        )
+    # The algorithm's preset fills what the file and the overrides leave unset.
+    for key in PRESET_KEYS:
+        if OmegaConf.select(given, f"algorithm.{key}", default=None) is None:
+            base.algorithm[key] = None
+    try:
+        cfg = OmegaConf.to_object(base)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e)) from e
     assert isinstance(cfg, Config)
     nan = _nan_keys(cfg)
     if nan:
-        raise ConfigError(f"{nan[0]}=nan: not a number ({path or 'config'} or an override)")
+        raise ConfigError(f"{nan[0]}=nan: not a number ({where} or an override)")
     return cfg
 
 

@@ -18,6 +18,7 @@ from jfp8rl.data.rewards import VERIFIERS
 from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.data.templates import check_prompt_template
 from losses.calibrated import BALANCES, MODES, UPPER_RULES
+from losses.checks import AGG_MODES
 from losses.registry import ALGORITHMS
 from losses.rollout_correction import CORRECTION_LEVELS, CORRECTIONS
 from losses.rollout_rejection import parse_rejection
@@ -84,10 +85,11 @@ class DataConfig:
     # "arithmetic": the built-in a+b task; "scratchpad": the same sums answered after a
     # column-addition scratchpad (>= 32 response tokens at max_digits 3; jfp8rl/data/tasks.py);
     # "file": `train_file` / `eval_file`, .jsonl or .parquet, flat {prompt, answer} or
-    # verl-layout records (jfp8rl/data/records.py).
+    # verl-layout records (jfp8rl/data/records.py); "python": the examples handed to
+    # `jfp8rl.api.train` (docs/python_api.md).
     task: str = "arithmetic"
     train_file: str = ""
-    # Empty: the first eval_size training examples.
+    # Empty: a held-out share of the training file (`eval_share`), never trained on.
     eval_file: str = ""
     # Dotted paths of the prompt / answer in each record; empty = "prompt" and "answer" (or
     # verl's "reward_model.ground_truth").
@@ -105,7 +107,11 @@ class DataConfig:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Built-in task: operands have 1..max_digits digits; eval_size held-out problems.
     max_digits: int = 2
+    # Eval problems: at most eval_size (the first of eval_file). Without an eval_file,
+    # ceil(eval_share x the training examples), at most eval_size, are drawn (seeded by
+    # data.seed) from the training set and left out of training.
     eval_size: int = 256
+    eval_share: float = 0.05
     # Prompts per RL step (before the n samples each).
     batch_size: int = 16
     # Prompts are padded (or rejected, naming the example) to this many tokens.
@@ -114,8 +120,8 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_choice("data", "task", self.task, (*BUILTIN_TASKS, "file"))
-        if self.task not in BUILTIN_TASKS and not self.train_file:
+        check_choice("data", "task", self.task, (*BUILTIN_TASKS, "file", "python"))
+        if self.task == "file" and not self.train_file:
             raise ConfigError(
                 f"data.task={self.task} needs data.train_file=<path to a .jsonl / .parquet file>"
             )
@@ -128,6 +134,8 @@ class DataConfig:
         check_positive("data", "batch_size", self.batch_size)
         check_positive("data", "max_prompt_tokens", self.max_prompt_tokens)
         check_positive("data", "eval_size", self.eval_size, allow_zero=True)
+        if not 0 < self.eval_share < 1:
+            raise ConfigError(f"data.eval_share={self.eval_share} must be in (0, 1)")
         if not 1 <= self.max_digits <= 6:
             raise ConfigError(f"data.max_digits={self.max_digits} must be in [1, 6]")
 
@@ -138,28 +146,69 @@ class RewardConfig:
     # "math": math-verify equivalence of the last boxed / final answer; "math_natural": the
     # same on the last boxed answer, else the last number ("12 + 7 = 19"); "scratchpad": the
     # scratchpad task's format and final sum (an off-format response counts as garbled,
-    # reward/unparsed_frac).
+    # reward/unparsed_frac); "function": the user's functions `name` of the Python file `path`,
+    # called as verl calls a custom reward: compute_score(data_source, solution_str,
+    # ground_truth, extra_info) -> float, or a dict with "score" whose other numeric entries are
+    # logged as reward/<key> (jfp8rl/data/rewards.py).
     kind: str = "task"
+    # reward.kind function: the file (verl's custom_reward_function.path), the function name or
+    # several comma-separated (summed with `weights`, TRL's reward_weights; empty = 1 each).
+    path: str = ""
+    name: str = "compute_score"
+    weights: list[float] = field(default_factory=list)
     # DAPO soft overlong punishment over the last `overlong_buffer` tokens of max_tokens.
     overlong: bool = False
     overlong_buffer: int = 2
     overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        check_choice("reward", "kind", self.kind, tuple(VERIFIERS))
+        check_choice("reward", "kind", self.kind, (*VERIFIERS, "function"))
+        if self.kind == "function" and not self.name.strip():
+            raise ConfigError("reward.name is empty; name the reward function (compute_score)")
         check_positive("reward", "overlong_buffer", self.overlong_buffer)
+
+
+# verl's advantage estimators that this trainer implements (`algorithm.adv_estimator`).
+ADV_ESTIMATORS = ("grpo", "rloo")
+
+
+def algorithm_preset(name: str) -> dict[str, Any]:
+    """The `algorithm.*` values of registry algorithm `name` (losses.registry), in the config's
+    terms: every key of `PRESET_KEYS`. A config key left unset takes its value from here."""
+    algo = ALGORITHMS[name]
+    return {
+        "eps_low": algo.eps_low,
+        "eps_high": algo.eps_high,
+        "dual_clip": algo.dual_clip or 0.0,
+        "kl_coef": algo.kl_coef if algo.use_kl_loss else 0.0,
+        "entropy_coef": algo.entropy_coef,
+        "loss_agg_mode": algo.agg_mode,
+        "adv_estimator": "grpo" if algo.adv_estimator == "dr_grpo" else algo.adv_estimator,
+        "norm_adv_by_std_in_grpo": algo.adv_estimator != "dr_grpo",
+    }
 
 
 @dataclasses.dataclass
 class AlgorithmConfig:
-    # Loss family (losses.registry): grpo | dapo | dr_grpo | gspo.
+    # Loss family (losses.registry): grpo | dapo | dr_grpo | gspo. It selects the preset of
+    # every key below marked "preset": a key the YAML and the overrides leave unset (or set to
+    # null) takes the algorithm's own value, an explicit one wins (`algorithm_preset`;
+    # `python -m jfp8rl.train --config C --print-config` shows the values a run uses).
     name: str = "grpo"
     # "plain": fixed [1 - eps_low, 1 + eps_high]; "calibrated": Calibrated Clipping bounds.
     clip: str = "calibrated"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    # Dual-clip constant for A < 0 (verl's clip_ratio_c); 0 disables it.
-    dual_clip: float = 3.0
+    # preset: plain ratio bounds 1 - eps_low, 1 + eps_high (verl's clip_ratio_low / _high).
+    eps_low: float | None = None
+    eps_high: float | None = None
+    # preset: dual-clip constant for A < 0 (verl's clip_ratio_c); 0 disables it.
+    dual_clip: float | None = None
+    # preset: verl's actor.loss_agg_mode: token-mean | seq-mean-token-mean |
+    # seq-mean-token-sum | seq-mean-token-sum-norm (losses/masked.py).
+    loss_agg_mode: str | None = None
+    # preset: verl's algorithm.adv_estimator: grpo | rloo (losses/advantages.py), and verl's
+    # algorithm.norm_adv_by_std_in_grpo (false: Dr.GRPO's R - mean_G; grpo only).
+    adv_estimator: str | None = None
+    norm_adv_by_std_in_grpo: bool | None = None
     # Rollout correction (losses.rollout_correction, verl's rollout_is), rho = pi_old / pi_rollout:
     # "tis" min(rho, C), "icepop" 0 outside [correction_lower, C], "mis" 0 above C; C = tis_cap.
     correction: str = "tis"
@@ -170,19 +219,28 @@ class AlgorithmConfig:
     # Rejection (losses.rollout_rejection, verl's rollout_rs): modes and thresholds; "" = off.
     rejection: str = ""
     rejection_threshold: str = ""
-    # k3 KL to the base policy as a loss term (0 disables it and the reference forward).
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
+    # preset: k3 KL to the base policy as a loss term (0 disables it and the reference forward).
+    kl_coef: float | None = None
+    # preset: weight of the entropy bonus.
+    entropy_coef: float | None = None
 
     def __post_init__(self) -> None:
         check_choice("algorithm", "name", self.name, ALGORITHMS)
+        for key, value in algorithm_preset(self.name).items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         check_choice("algorithm", "clip", self.clip, ("plain", "calibrated"))
+        check_choice("algorithm", "loss_agg_mode", self.loss_agg_mode, AGG_MODES)
+        check_choice("algorithm", "adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
         check_choice("algorithm", "correction", self.correction, CORRECTIONS)
         check_choice("algorithm", "correction_level", self.correction_level, CORRECTION_LEVELS)
         check_positive("algorithm", "eps_low", self.eps_low)
         check_positive("algorithm", "eps_high", self.eps_high)
         if self.eps_low >= 1:
             raise ConfigError(f"algorithm.eps_low={self.eps_low} must be < 1")
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or 0: off)")
+        check_positive("algorithm", "dual_clip", self.dual_clip, allow_zero=True)
         check_positive("algorithm", "tis_cap", self.tis_cap)
         if self.correction == "icepop" and not 0 < self.correction_lower <= self.tis_cap:
             raise ConfigError(
@@ -200,6 +258,10 @@ class AlgorithmConfig:
                 "algorithm.clip=calibrated is not defined for algorithm.name=gspo (it clips "
                 "sequence-level ratios); set algorithm.clip=plain"
             )
+
+
+# The `algorithm.*` keys an algorithm's preset fills (`algorithm_preset`).
+PRESET_KEYS = tuple(algorithm_preset("grpo"))
 
 
 @dataclasses.dataclass

@@ -1,8 +1,22 @@
 """Rewards: verifiers (built-in task, exact match, math-verify on the boxed or the natural
-answer) and DAPO overlong shaping.
+answer), the user's reward functions, and DAPO overlong shaping.
 
 A verifier maps (response text, reference answer) to correctness in {0, 1}; the reward is the
 correctness plus the optional overlong penalty, and `reward/accuracy` is the mean correctness.
+
+The user's reward functions (`reward.kind: function`, `RewardFunctions`) are called as verl
+calls a custom reward, so a verl reward file works unchanged:
+
+    score = compute_score(data_source=..., solution_str=response, ground_truth=answer,
+                          extra_info=...)
+
+with `data_source` and `extra_info` the record's fields of those names ("" and {} when it has
+none). A function returns a float, or a dict with a float `score` whose other numeric entries
+are logged as `reward/<key>` (their mean over the samples scored). Several functions are summed
+with weights (TRL's `reward_weights`). Their weighted score is the correctness too: accuracy
+metrics are then the mean score before overlong shaping. A function that raises, or returns
+something that is not a finite number, stops the step with `RewardError` naming the function,
+the sample and the value or exception.
 
 DAPO soft overlong punishment (Yu et al. 2025, eq. 13), with L_max = rollout.max_tokens and
 L_cache = reward.overlong_buffer:
@@ -15,14 +29,142 @@ multiplied by `overlong_penalty`. |y| counts response tokens including eos, as v
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.util
+import math
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jfp8rl.data.records import Example
+
 Verifier = Callable[[str, str], float]
+
+
+class RewardError(RuntimeError):
+    """A user reward function failed on a sample; the message names it, the sample and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunctions:
+    """The user's reward functions (module docstring) with their weights; `names` say where
+    each comes from (`file.py:compute_score`) in errors."""
+
+    functions: tuple[Callable[..., Any], ...]
+    weights: tuple[float, ...]
+    names: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.functions:
+            raise ValueError("no reward function given")
+        if len(self.weights) != len(self.functions):
+            raise ValueError(
+                f"{len(self.functions)} reward functions but {len(self.weights)} weights"
+            )
+
+    def score(
+        self, texts: Sequence[str], examples: Sequence[Example]
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(weighted score float64 [N], {metric: per-sample values [N], NaN where a sample
+        has none}) of each response with its example."""
+        total = np.zeros(len(texts), np.float64)
+        extras: dict[str, np.ndarray] = {}
+        for fn, weight, name in zip(self.functions, self.weights, self.names, strict=True):
+            for i, (text, ex) in enumerate(zip(texts, examples, strict=True)):
+                value, extra = _call(fn, name, i, text, ex)
+                total[i] += weight * value
+                if len(self.functions) > 1:
+                    extra = {name.rsplit(":", 1)[-1]: value, **extra}
+                for key, v in extra.items():
+                    extras.setdefault(key, np.full(len(texts), np.nan))[i] = v
+        return total, extras
+
+
+def _call(fn: Callable[..., Any], name: str, i: int, text: str, ex: Example) -> tuple[float, dict]:
+    """One call as verl makes it; (score, the other numeric entries of a dict result)."""
+    where = f"reward function {name} on sample {i} (ground_truth {ex.answer!r})"
+    try:
+        out = fn(
+            data_source=ex.meta.get("data_source", ""),
+            solution_str=text,
+            ground_truth=ex.answer,
+            extra_info=dict(ex.meta.get("extra_info") or {}),
+        )
+    except Exception as e:
+        raise RewardError(f"{where} raised {type(e).__name__}: {e}") from e
+    extra: dict[str, float] = {}
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise RewardError(f"{where} returned a dict without 'score': {out!r}")
+        extra = {
+            k: float(v)
+            for k, v in out.items()
+            if k != "score" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        out = out["score"]
+    if isinstance(out, bool) or not isinstance(out, int | float | np.number):
+        raise RewardError(
+            f"{where} returned {out!r}; a reward is a finite number (or a dict with one at 'score')"
+        )
+    if not math.isfinite(float(out)):
+        raise RewardError(f"{where} returned {out!r}; a reward must be a finite number")
+    return float(out), extra
+
+
+def load_reward_functions(path: str, names: str, weights: Sequence[float]) -> RewardFunctions:
+    """The functions `names` (comma-separated) of the Python file `path`, weighted by
+    `weights` (empty: 1 each). Raises `ValueError` naming `reward.path` / `reward.name` /
+    `reward.weights` when the file, a function or the weights are wrong."""
+    p = Path(path)
+    if not path or not p.is_file():
+        raise ValueError(
+            f"reward.path={path!r}: no such file; reward.kind=function needs the Python file "
+            "that defines the reward function (verl's custom_reward_function.path)"
+        )
+    spec = importlib.util.spec_from_file_location(f"jfp8rl_reward_{p.stem}", p)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"reward.path={path}: importing it raised {type(e).__name__}: {e}") from e
+    fns, labels = [], []
+    for name in (n.strip() for n in names.split(",")):
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            found = sorted(
+                k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+            )
+            raise ValueError(
+                f"reward.name={name!r}: {path} defines no function of that name "
+                f"(its functions: {', '.join(found) or 'none'})"
+            )
+        fns.append(fn)
+        labels.append(f"{path}:{name}")
+    w = tuple(float(x) for x in weights) or (1.0,) * len(fns)
+    if len(w) != len(fns):
+        raise ValueError(
+            f"reward.weights={list(weights)}: {len(w)} weights for {len(fns)} functions ({names})"
+        )
+    return RewardFunctions(tuple(fns), w, tuple(labels))
+
+
+# A run's reward: a built-in verifier or the user's functions.
+Reward = Verifier | RewardFunctions
+
+
+def judge(
+    reward: Reward, texts: Sequence[str], examples: Sequence[Example]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(correctness float64 [N], per-sample metrics) of each response with its example."""
+    if isinstance(reward, RewardFunctions):
+        return reward.score(texts, examples)
+    got = [reward(t, ex.answer) for t, ex in zip(texts, examples, strict=True)]
+    return np.array(got, np.float64), {}
 
 
 def task_verifier(response: str, answer: str) -> float:
@@ -191,20 +333,21 @@ def overlong_penalty(
 
 def score_responses(
     texts: Sequence[str],
-    answers: Sequence[str],
+    examples: Sequence[Example],
     lengths: np.ndarray,
     *,
-    verifier: Verifier,
+    verifier: Reward,
     max_tokens: int,
     overlong: bool,
     overlong_buffer: int,
     overlong_penalty_coef: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rewards, correctness), float32 [N] each: correctness from `verifier`, plus shaping."""
-    if len(texts) != len(answers):
-        raise ValueError(f"{len(texts)} responses but {len(answers)} answers")
-    correct = np.array([verifier(t, a) for t, a in zip(texts, answers, strict=True)], np.float64)
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(rewards, correctness), float32 [N] each, and the reward functions' per-sample metrics:
+    correctness from `verifier` (a verifier or `RewardFunctions`), plus shaping."""
+    if len(texts) != len(examples):
+        raise ValueError(f"{len(texts)} responses but {len(examples)} examples")
+    correct, extras = judge(verifier, texts, examples)
     reward = correct.copy()
     if overlong:
         reward += overlong_penalty(lengths, max_tokens, overlong_buffer, overlong_penalty_coef)
-    return reward.astype(np.float32), correct.astype(np.float32)
+    return reward.astype(np.float32), correct.astype(np.float32), extras

@@ -8,6 +8,7 @@ resumed run sees exactly the prompts an uninterrupted one would.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,22 @@ def encode_prompts(examples: Sequence[Example], tokenizer: Any, max_tokens: int)
     return encode_texts([ex.prompt for ex in examples], tokenizer, max_tokens)
 
 
+def hold_out(
+    examples: Sequence[Example], eval_size: int, share: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(train, eval): ceil(share x len(examples)) examples, at most `eval_size`, drawn with
+    `seed` as the eval set, the others (in their order) as the training set."""
+    k = min(eval_size, math.ceil(share * len(examples)))
+    if k >= len(examples):
+        raise DataError(
+            f"{len(examples)} training examples cannot spare {k} for eval; give data.eval_file "
+            "or lower data.eval_share"
+        )
+    chosen = set(np.random.default_rng([seed, 1]).permutation(len(examples))[:k].tolist())
+    train = [ex for i, ex in enumerate(examples) if i not in chosen]
+    return train, [examples[i] for i in sorted(chosen)]
+
+
 def build_datasets(
     task: str,
     train_file: str,
@@ -75,8 +92,11 @@ def build_datasets(
     *,
     prompt_key: str = "",
     answer_key: str = "",
+    eval_share: float = 0.05,
+    seed: int = 0,
 ) -> tuple[list[Example], list[Example]]:
-    """(train, eval) examples for the configured task (`jfp8rl.config.DataConfig` fields)."""
+    """(train, eval) examples for the configured task (`jfp8rl.config.DataConfig` fields);
+    without an eval file, a held-out share of the training file (`hold_out`)."""
     if task == "arithmetic":
         return arithmetic_split(max_digits, eval_size)
     if task == "scratchpad":
@@ -84,9 +104,7 @@ def build_datasets(
             max_digits, eval_size, make=scratchpad_prompt, max_train=SCRATCHPAD_TRAIN_SIZE
         )
     train = load_examples(train_file, prompt_key=prompt_key, answer_key=answer_key)
-    evals = (
-        load_examples(eval_file, prompt_key=prompt_key, answer_key=answer_key)
-        if eval_file
-        else train
-    )
+    if not eval_file:
+        return hold_out(train, eval_size, eval_share, seed)
+    evals = load_examples(eval_file, prompt_key=prompt_key, answer_key=answer_key)
     return train, evals[:eval_size]

@@ -35,6 +35,7 @@ manifest and renames the temporary folder; so the atomic guarantee holds across 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import shutil
 import sys
@@ -90,6 +91,16 @@ def newest_intact(
             return step, rejected
         rejected.append((step, verdict))
     return None, rejected
+
+
+def saved_meta(run_dir: str | Path, step: int) -> dict[str, Any]:
+    """The meta JSON of checkpoint `step` (its step, data position and resolved config YAML),
+    read without restoring anything."""
+    path = checkpoints_dir(run_dir) / str(step) / "meta" / "metadata"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointDamaged(f"checkpoint {path.parent.parent}: unreadable meta ({e})") from e
 
 
 def set_aside(directory: Path, step: int) -> Path:

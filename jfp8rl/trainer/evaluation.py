@@ -30,10 +30,11 @@ import numpy as np
 
 from jfp8rl.config import Config
 from jfp8rl.data.records import DataError, Example, load_examples
-from jfp8rl.data.rewards import ANSWER_PARSERS, Verifier, get_verifier
+from jfp8rl.data.rewards import ANSWER_PARSERS, Reward, judge
 from jfp8rl.data.templates import PromptFormat
 from jfp8rl.trainer.backends import make_backend
 from jfp8rl.trainer.policy import load_policy
+from jfp8rl.trainer.settings import reward_of
 from models.hf_io import to_hf_state_dict
 from rollout_bridge.backend import RolloutBackend, SamplingParams
 
@@ -71,7 +72,7 @@ def evaluate(
     backend: RolloutBackend,
     examples: Sequence[Example],
     fmt: PromptFormat,
-    verifier: Verifier,
+    verifier: Reward,
     *,
     n: int,
     temperature: float,
@@ -103,8 +104,8 @@ def evaluate(
         if progress is not None:
             progress(min(i + per_call, len(prompts)), len(prompts))
     texts = [fmt.response_text(c.response_ids) for c in comps]
-    answers = [examples[j // n].answer for j in range(len(comps))]
-    correct = np.array([verifier(t, a) for t, a in zip(texts, answers, strict=True)], np.float32)
+    correct = judge(verifier, texts, [examples[j // n] for j in range(len(comps))])[0]
+    correct = correct.astype(np.float32)
     lengths = np.array([len(c.response_ids) for c in comps], np.int32)
     parser = ANSWER_PARSERS.get(verifier)
     unparsed = None if parser is None else np.array([not parser(t) for t in texts], bool)
@@ -138,7 +139,7 @@ def evaluate_folder(
             # The run's own path: the weights go through the rollout export (FP8 block).
             backend.push_weights(to_hf_state_dict(policy.cfg, policy.params), "eval")
         res = evaluate(
-            backend, examples, fmt, get_verifier(cfg.reward.kind),
+            backend, examples, fmt, reward_of(cfg),
             n=cfg.eval.n, temperature=cfg.eval.temperature,
             max_prompt_tokens=cfg.data.max_prompt_tokens, max_tokens=cfg.rollout.max_tokens,
             chunk=cfg.data.batch_size * cfg.rollout.n, progress=progress,

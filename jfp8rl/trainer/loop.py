@@ -1,9 +1,13 @@
 """The RL loop: `run(cfg)` drives one run folder from start or resume.
 
-`setup` builds a `Trainer` (policy, rollout backend, mesh, compiled step programs, checkpoint
-manager, metrics sinks) and the sharded train state; then every step runs the stages of
-`jfp8rl.trainer.stages` in order (rollout, prepare, update, sync, log, checkpoint), and
-`finish` writes the final HF folder and the run summary. The command is `jfp8rl.train`.
+Before anything is loaded, `resume_point` decides what the run folder holds: nothing (a new
+run), a run to resume (its newest intact checkpoint, whose saved config must equal this one but
+for `jfp8rl.config.compare.RESUMABLE`; otherwise a `ConfigError` naming each differing key),
+or a complete run (`run` says so and returns without writing anything). `setup` then builds a
+`Trainer` (policy, rollout backend, mesh, compiled step programs, checkpoint manager, metrics
+sinks) and the sharded train state; every step runs the stages of `jfp8rl.trainer.stages` in
+order (rollout, prepare, update, sync, log, checkpoint), and `finish` writes the final HF folder
+and the run summary. The command is `jfp8rl.train`; the Python API is `jfp8rl.api`.
 
 Determinism: prompts come from `jfp8rl.data.stream.PromptStream` at the checkpointed position,
 rollout seeds and mini-batch shuffles are derived from (train.seed, step, epoch), so a resumed
@@ -11,7 +15,8 @@ run repeats an uninterrupted one exactly on CPU (tests/jfp8rl/trainer/test_train
 with one-step off-policy rollout (`rollout.max_staleness` 1, `jfp8rl.trainer.overlap`: no batch
 is in flight at a checkpoint).
 
-Failures: a rollout backend error (server gone, stale weights, malformed answer) or
+Failures: a rollout backend error (server gone, stale weights, malformed answer), a user
+reward function that fails (`jfp8rl.data.rewards.RewardError`: before the step's update) or
 `train.max_nonfinite` steps in a row whose updates were all skipped raise `RunStopped`,
 naming the last checkpoint (saves are synchronous and atomic) and the resume command.
 """
@@ -27,7 +32,10 @@ from typing import Any
 import jax
 
 from jfp8rl.config import Config, ConfigError, save_config
-from jfp8rl.data.rewards import get_verifier
+from jfp8rl.config.compare import differences
+from jfp8rl.config.loading import config_from_yaml
+from jfp8rl.data.records import Example
+from jfp8rl.data.rewards import Reward, RewardError
 from jfp8rl.data.stream import PromptStream, build_datasets
 from jfp8rl.data.templates import PromptFormat
 from jfp8rl.observe.memory import log_memory
@@ -39,13 +47,13 @@ from jfp8rl.trainer.checkpoint import (
     Checkpointer,
     checkpoints_dir,
     newest_intact,
+    saved_meta,
     set_aside,
-    steps_on_disk,
 )
 from jfp8rl.trainer.errors import CheckpointDamaged, RunStopped, resume_hint
 from jfp8rl.trainer.overlap import RolloutAhead
 from jfp8rl.trainer.policy import Policy, load_policy
-from jfp8rl.trainer.settings import build_mesh, rollout_settings, step_settings
+from jfp8rl.trainer.settings import build_mesh, reward_of, rollout_settings, step_settings
 from jfp8rl.trainer.stages import (
     log_base_eval,
     stage_checkpoint,
@@ -56,6 +64,9 @@ from jfp8rl.trainer.stages import (
 from jfp8rl.trainer.state import Progress, Trainer, build_state
 from jfp8rl.trainer.step import make_step_fns
 from rollout_bridge.backend import RolloutBackend, RolloutError
+
+# A run's (train, eval) examples.
+Datasets = tuple[list[Example], list[Example]]
 
 
 def open_run_dir(cfg: Config) -> Path:
@@ -70,14 +81,17 @@ def open_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpointer, int | None]:
-    """The run's checkpoint manager and the step to resume from: the newest checkpoint that
-    passes its manifest check (`checkpoint.verify`), or None. Each newer damaged one is named
-    on stderr in one line (its file, what is wrong) and set aside; with checkpoints but none
-    intact the run stops (`CheckpointDamaged`). Enforces `--resume` / `--fresh`."""
+def resume_point(cfg: Config, run_dir: Path, resume: str) -> int | None:
+    """The step to resume from: the newest checkpoint that passes its manifest check
+    (`checkpoint.verify`), or None. Each newer damaged one is named on stderr in one line (its
+    file, what is wrong) and set aside; with checkpoints but none intact the run stops
+    (`CheckpointDamaged`). The checkpoint's config must equal `cfg` but for the resumable keys
+    (`same_run`). Enforces `--resume`; `--fresh` ("never") first moves a previous run aside."""
     directory = checkpoints_dir(run_dir)
-    if resume == "never" and steps_on_disk(directory):
-        raise ConfigError(f"--fresh: {run_dir} already holds checkpoints; pick another run_dir")
+    if resume == "never" and run_dir.is_dir() and any(run_dir.iterdir()):
+        moved = distributed.on_main(lambda: move_aside(run_dir))
+        if moved is not None:
+            print(f"--fresh: moved the previous run in {run_dir} to {moved}", file=sys.stderr)
     latest, rejected = newest_intact(directory, cfg.checkpoint.verify)
     if rejected and latest is None:
         problems = "; ".join(f"{directory}/{step}: {problem}" for step, problem in rejected)
@@ -87,6 +101,8 @@ def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpoin
         )
     if resume == "require" and latest is None:
         raise ConfigError(f"--resume: {run_dir}/checkpoints holds no checkpoint")
+    if latest is not None:
+        same_run(cfg, run_dir, latest)
 
     def set_aside_damaged() -> None:
         for step, problem in rejected:
@@ -95,25 +111,74 @@ def open_checkpoints(cfg: Config, run_dir: Path, resume: str) -> tuple[Checkpoin
             print(f"{msg} {moved}, resuming from {directory}/{latest}", file=sys.stderr)
 
     distributed.on_main(set_aside_damaged)
-    return Checkpointer(run_dir, keep=cfg.checkpoint.keep), latest
+    return latest
+
+
+def same_run(cfg: Config, run_dir: Path, step: int) -> None:
+    """`ConfigError` naming every key (checkpoint's value -> this one) in which `cfg` differs
+    from the config checkpoint `step` was trained with, but for the resumable keys."""
+    where = f"{checkpoints_dir(run_dir)}/{step}"
+    old = config_from_yaml(saved_meta(run_dir, step)["config"], f"the config saved in {where}")
+    diffs = differences(old, cfg)
+    if not diffs:
+        return
+    changed = ", ".join(f"{key}: {a!r} -> {b!r}" for key, a, b in diffs)
+    raise ConfigError(
+        f"{run_dir} holds a run trained to step {step} with another config ({changed}). "
+        f"Train this config in another folder (run_dir={free_name(run_dir, '-')}), or start "
+        f"over here with --fresh (the previous run is moved to {free_name(run_dir, '.replaced-')}"
+        f"); to resume the run as it was: python -m jfp8rl.train --config {run_dir}/config.yaml"
+    )
+
+
+def free_name(run_dir: Path, sep: str) -> Path:
+    """`<run_dir><sep><k>` for the first k >= 1 not taken."""
+    k = 1
+    while run_dir.with_name(f"{run_dir.name}{sep}{k}").exists():
+        k += 1
+    return run_dir.with_name(f"{run_dir.name}{sep}{k}")
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Renames the run folder to `<run_dir>.replaced-<k>` (nothing is deleted); the new path."""
+    dest = free_name(run_dir, ".replaced-")
+    run_dir.rename(dest)
+    return dest
+
+
+def load_datasets(cfg: Config) -> Datasets:
+    """The (train, eval) examples of `cfg.data` (`jfp8rl.data.stream.build_datasets`)."""
+    d = cfg.data
+    if d.task == "python":
+        raise ConfigError(
+            "data.task=python: the examples are handed to jfp8rl.api.train (docs/python_api.md); "
+            "on the command line use data.task=file with data.train_file=<.jsonl / .parquet>"
+        )
+    return build_datasets(
+        d.task, d.train_file, d.eval_file, d.max_digits, d.eval_size,
+        prompt_key=d.prompt_key, answer_key=d.answer_key, eval_share=d.eval_share, seed=d.seed,
+    )  # fmt: skip
 
 
 def build_trainer(
-    cfg: Config, log: Any, policy: Policy, mesh: jax.sharding.Mesh, ckpt: Checkpointer
+    cfg: Config,
+    log: Any,
+    policy: Policy,
+    mesh: jax.sharding.Mesh,
+    ckpt: Checkpointer,
+    datasets: Datasets,
+    reward: Reward,
 ) -> Trainer:
     """Data, prompt format, step programs; the backend and metrics sinks come later
     (`connect_backend`, `open_metrics`)."""
     d = cfg.data
-    train_set, eval_set = build_datasets(
-        d.task, d.train_file, d.eval_file, d.max_digits, d.eval_size,
-        prompt_key=d.prompt_key, answer_key=d.answer_key,
-    )  # fmt: skip
+    train_set, eval_set = datasets
     settings, opt = step_settings(cfg)
     layout = mesh_lib.param_layout(mesh, policy.cfg, policy.params)
     fns = make_step_fns(policy.graphdef, settings, opt, layout)
     return Trainer(
         cfg=cfg, log=log, policy=policy, backend=None, fns=fns, mesh=mesh,  # type: ignore[arg-type]
-        settings=settings, ckpt=ckpt, metrics=None, verifier=get_verifier(cfg.reward.kind),  # type: ignore[arg-type]
+        settings=settings, ckpt=ckpt, metrics=None, verifier=reward,  # type: ignore[arg-type]
         stream=PromptStream(train_set, d.seed), eval_set=eval_set,
         fmt=PromptFormat.from_config(policy.path, policy.tokenizer, d),
         rollout_settings=rollout_settings(cfg), ref_params=None,
@@ -140,25 +205,25 @@ def open_metrics(t: Trainer, p: Progress, out: Any) -> MetricsLogger:
 
 
 def setup(
-    cfg: Config, resume: str, log: Any, out: Any
-) -> tuple[Trainer, dict[str, Any], Progress, int | None]:
-    """Builds the trainer and its state (fresh or from the latest checkpoint), stage by stage."""
+    cfg: Config, latest: int | None, log: Any, out: Any, datasets: Datasets, reward: Reward
+) -> tuple[Trainer, dict[str, Any], Progress]:
+    """Builds the trainer and its state (fresh, or from checkpoint `latest`), stage by stage."""
     log_memory(log, "start")
     run_dir = open_run_dir(cfg)
     mesh = build_mesh(cfg)
     policy = load_policy(cfg, log, mesh)
     log_memory(log, "loaded")
-    ckpt, latest = open_checkpoints(cfg, run_dir, resume)
+    ckpt = Checkpointer(run_dir, keep=cfg.checkpoint.keep)
     if distributed.is_main():
         save_config(cfg, run_dir)
-    t = build_trainer(cfg, log, policy, mesh, ckpt)
+    t = build_trainer(cfg, log, policy, mesh, ckpt, datasets, reward)
     state, p = build_state(t, latest)
     log_memory(log, "state")
     # Process 0 alone talks to the backend and writes metrics (None on the others).
     t.backend = distributed.on_main(lambda: connect_backend(t, latest))  # type: ignore[assignment]
     t.metrics = open_metrics(t, p, out) if distributed.is_main() else None  # type: ignore[assignment]
     t.ahead = RolloutAhead() if cfg.rollout.max_staleness else None
-    return t, state, p, latest
+    return t, state, p
 
 
 def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
@@ -173,6 +238,13 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
             stage_checkpoint(t, state, p, force=True)
         while p.step < stop_at:
             train_step(t, state, p, stop_at)
+    except RewardError as e:
+        last = t.ckpt.latest_step()
+        raise RunStopped(
+            f"the reward failed at step {p.step + 1}, before its update: {e}\nLast checkpoint: "
+            f"{t.ckpt.directory}/{last} (step {last}). Fix the reward function, then resume: "
+            + resume_hint(t.cfg)
+        ) from e
     except RolloutError as e:
         last = t.ckpt.latest_step()
         raise RunStopped(
@@ -211,8 +283,19 @@ def finish(t: Trainer, state: dict[str, Any], p: Progress, t_start: float) -> di
     return summary
 
 
-def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, Any]:
-    """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json)."""
+def run(
+    cfg: Config,
+    *,
+    resume: str = "auto",
+    stream: Any = None,
+    datasets: Datasets | None = None,
+    reward: Reward | None = None,
+) -> dict[str, Any]:
+    """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json).
+
+    `datasets` (train, eval examples) and `reward` replace the config's data and reward when
+    given (`jfp8rl.api`). A run folder whose run is complete is left as it is: one line says
+    so and how to extend it, and the summary has `complete: True`."""
     t_start = time.perf_counter()
     out = stream or sys.stdout
     console = cfg.logging.console != "none" and distributed.is_main()
@@ -221,7 +304,24 @@ def run(cfg: Config, *, resume: str = "auto", stream: Any = None) -> dict[str, A
         if console:
             print(msg, file=out, flush=True)
 
-    t, state, p, _ = setup(cfg, resume, log, out)
+    # Everything that can be wrong with the request fails here, before a policy is loaded.
+    reward = reward if reward is not None else reward_of(cfg)
+    datasets = datasets if datasets is not None else load_datasets(cfg)
+    run_dir, steps = Path(cfg.run_dir), cfg.train.steps
+    latest = resume_point(cfg, run_dir, resume)
+    if latest is not None and latest >= steps:
+        if distributed.is_main():
+            print(
+                f"{run_dir} is complete (step {latest} of {steps}); to train it further, rerun "
+                f"with train.steps=<more than {latest}>, or use another run_dir (or --fresh) "
+                "for a new run",
+                file=out,
+                flush=True,
+            )
+        return {"run_dir": str(run_dir), "steps": latest, "complete": True}
+    if latest is not None and distributed.is_main():
+        print(f"resuming {run_dir} from step {latest} of {steps}", file=out, flush=True)
+    t, state, p = setup(cfg, latest, log, out, datasets, reward)
     stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
     try:
         run_steps(t, state, p, stop_at)

@@ -46,17 +46,18 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path={path}: no config.json there (need an HF folder)")
     else:
-        if cfg.data.task not in BUILTIN_TASKS:
+        if cfg.data.task == "file":
             raise ConfigError(
                 f"model.path is empty: the built-in base policy needs data.task in {BUILTIN_TASKS}"
+                " (or examples of its arithmetic task handed to jfp8rl.api.train)"
             )
-        train, evals = build_datasets(
-            cfg.data.task, "", "", cfg.data.max_digits, cfg.data.eval_size
-        )
+        # Examples handed to the Python API meet the arithmetic task's base policy.
+        task = cfg.data.task if cfg.data.task in BUILTIN_TASKS else "arithmetic"
+        train, evals = build_datasets(task, "", "", cfg.data.max_digits, cfg.data.eval_size)
         w = cfg.warmstart
         ensure = lambda: ensure_base_policy(  # noqa: E731
             w.cache_dir, cfg.model.preset, train, evals,
-            task_tag=f"{cfg.data.task}-{cfg.data.max_digits}-{cfg.data.eval_size}",
+            task_tag=f"{task}-{cfg.data.max_digits}-{cfg.data.eval_size}",
             steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=w.seed,
             prompt_len=cfg.data.max_prompt_tokens, answer_len=cfg.rollout.max_tokens,
             carry_noise=w.carry_noise, target_accuracy=w.target_accuracy, log=log,

@@ -19,7 +19,7 @@ import numpy as np
 
 from jfp8rl.data.batch import RolloutBatch, pack
 from jfp8rl.data.records import Example
-from jfp8rl.data.rewards import ANSWER_PARSERS, Verifier, score_responses
+from jfp8rl.data.rewards import ANSWER_PARSERS, Reward, score_responses
 from jfp8rl.data.stream import PromptStream
 from jfp8rl.data.templates import PromptFormat
 from jfp8rl.parallel.distributed import broadcast_from_main, on_main
@@ -51,11 +51,11 @@ def _sample_round(
     backend: RolloutBackend,
     examples: Sequence[Example],
     fmt: PromptFormat,
-    verifier: Verifier,
+    verifier: Reward,
     s: RolloutSettings,
     seed: int,
     version: str,
-) -> Group:
+) -> tuple[Group, dict[str, np.ndarray]]:
     prompts = fmt.encode(examples, s.max_prompt_tokens)
     sampling = SamplingParams(
         n=s.n,
@@ -76,14 +76,15 @@ def _sample_round(
             f"rollout used weight version(s) {sorted(stale)} but the trainer pushed {version!r}"
         )
     texts = [fmt.response_text(c.response_ids) for c in comps]
-    answers = [examples[i // s.n].answer for i in range(len(comps))]
+    per_sample = [examples[i // s.n] for i in range(len(comps))]
+    answers = [ex.answer for ex in per_sample]
     lens = np.array([len(c.response_ids) for c in comps])
-    rewards, correct = score_responses(
-        texts, answers, lens,
+    rewards, correct, extras = score_responses(
+        texts, per_sample, lens,
         verifier=verifier, max_tokens=s.max_tokens, overlong=s.overlong,
         overlong_buffer=s.overlong_buffer, overlong_penalty_coef=s.overlong_penalty,
     )  # fmt: skip
-    return comps, rewards, correct, texts, answers
+    return (comps, rewards, correct, texts, answers), extras
 
 
 def collect(
@@ -91,13 +92,14 @@ def collect(
     stream: PromptStream,
     position: int,
     fmt: PromptFormat,
-    verifier: Verifier,
+    verifier: Reward,
     s: RolloutSettings,
     *,
     seed: int,
     version: str,
 ) -> tuple[RolloutBatch, int, dict[str, float]]:
-    """Samples one step's batch; returns it, the new data position and rollout stats.
+    """Samples one step's batch; returns it, the new data position and rollout stats (with the
+    mean of each reward function metric over the samples scored, `reward/<key>`).
 
     `seed` fixes the samples (round k uses seed + k), so a resumed run redraws the same ones.
     """
@@ -105,15 +107,18 @@ def collect(
     kept: list[Group] = []  # one entry per group
     dropped: list[Group] = []
     sampled_groups = 0
+    extras: dict[str, list[np.ndarray]] = {}
     rounds = 1 + (s.max_rounds if s.dynamic_sampling else 0)
     for k in range(rounds):
         need = s.batch_size - len(kept)
         if need == 0:
             break
         examples, position = stream.take(position, need if k == 0 else s.batch_size)
-        comps, rewards, correct, texts, answers = _sample_round(
+        (comps, rewards, correct, texts, answers), round_extras = _sample_round(
             backend, examples, fmt, verifier, s, seed + k, version
         )
+        for key, values in round_extras.items():
+            extras.setdefault(key, []).append(values)
         sampled_groups += len(examples)
         for g in range(len(examples)):
             sl = slice(g * n, (g + 1) * n)
@@ -146,6 +151,8 @@ def collect(
     }
     if parser is not None:
         stats["reward/unparsed_frac"] = float(unparsed.mean())
+    for key, values in extras.items():
+        stats[f"reward/{key}"] = float(np.nanmean(np.concatenate(values)))
     return batch, position, stats
 
 

@@ -7,25 +7,35 @@ import dataclasses
 
 import jax
 
-from jfp8rl.config import Config, ConfigError, check_batch_split
+from jfp8rl.config import AlgorithmConfig, Config, ConfigError, check_batch_split
+from jfp8rl.data.rewards import Reward, get_verifier, load_reward_functions
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.microbatch import length_buckets
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step_settings import StepSettings, default_settings
 from losses import calibrated as cal
-from losses.registry import get_algorithm
+from losses.registry import Algorithm, get_algorithm
 from losses.rollout_rejection import parse_rejection
+
+
+def loss_algorithm(a: AlgorithmConfig) -> Algorithm:
+    """The loss's `Algorithm`: the registry's entry of `algorithm.name` with every value the
+    config resolved (its preset, or the explicit keys); verl's grpo estimator without the std
+    normalisation is the registry's `dr_grpo` estimator."""
+    dr_grpo = a.adv_estimator == "grpo" and not a.norm_adv_by_std_in_grpo
+    return dataclasses.replace(
+        get_algorithm(a.name),
+        eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip or None,
+        use_kl_loss=a.kl_coef > 0, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
+        agg_mode=a.loss_agg_mode, adv_estimator="dr_grpo" if dr_grpo else a.adv_estimator,
+    )  # fmt: skip
 
 
 def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
     """The jitted step's static settings from the config (algorithm, calibration, AdamW)."""
     a = cfg.algorithm
-    algo = dataclasses.replace(
-        get_algorithm(a.name),
-        eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip or None,
-        use_kl_loss=a.kl_coef > 0, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
-    )  # fmt: skip
+    algo = loss_algorithm(a)
     c = cfg.calibration
     calib_cfg = cal.CalibConfig(
         eps_low=a.eps_low, eps_high=a.eps_high, every=c.every, ema=c.ema,
@@ -72,3 +82,16 @@ def build_mesh(cfg: Config) -> jax.sharding.Mesh:
         ) from e
     check_batch_split(cfg, mesh_lib.batch_size_divisor(mesh))
     return mesh
+
+
+def reward_of(cfg: Config) -> Reward:
+    """The run's reward: the built-in verifier `reward.kind`, or (kind "function") the user's
+    functions loaded from `reward.path`; a missing file or function is a `ConfigError`
+    naming the key."""
+    r = cfg.reward
+    if r.kind != "function":
+        return get_verifier(r.kind)
+    try:
+        return load_reward_functions(r.path, r.name, r.weights)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jfp8rl.config import Config
 from jfp8rl.data.records import Example
-from jfp8rl.data.rewards import Verifier
+from jfp8rl.data.rewards import Reward
 from jfp8rl.data.stream import PromptStream
 from jfp8rl.data.templates import PromptFormat
 from jfp8rl.observe.metrics import MetricsLogger
@@ -39,7 +39,7 @@ class Trainer:
     settings: StepSettings
     ckpt: Checkpointer
     metrics: MetricsLogger
-    verifier: Verifier
+    verifier: Reward  # a built-in verifier or the user's functions
     stream: PromptStream
     eval_set: list[Example]
     fmt: PromptFormat  # prompt / chat template and stop tokens (jfp8rl.data.templates)
@@ -98,7 +98,6 @@ def build_state(t: Trainer, latest: int | None) -> tuple[dict[str, Any], Progres
     del state
     state, meta = t.ckpt.restore(latest, like)
     p = Progress(meta["step"], meta["data_position"], meta["nonfinite_run"], dict(meta["carried"]))
-    t.log(f"resumed from {t.ckpt.directory}/{latest} (step {p.step}, data position {p.position})")
     return state, p
 
 

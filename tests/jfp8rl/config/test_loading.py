@@ -14,11 +14,20 @@ REPO = Path(__file__).resolve().parents[3]
 def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
     y = tmp_path / "c.yaml"
     y.write_text("optim:\n  lr: 1e-3\nalgorithm:\n  name: dapo\n")
-    cfg = load_config(y, ["optim.lr=3e-4", "rollout.n=4"])
+    # The keys whose value depends on the model have no default in a config file.
+    with pytest.raises(ConfigError) as err:
+        load_config(y, ["rollout.n=4"])
+    assert str(err.value) == (
+        f"{y}: no value for data.max_prompt_tokens, rollout.max_tokens, run_dir (its value "
+        "depends on the model and task); set data.max_prompt_tokens=... rollout.max_tokens=... "
+        "run_dir=... in the config file or on the command line"
+    )
+    required = ["run_dir=runs/c", "rollout.max_tokens=64", "data.max_prompt_tokens=32"]
+    cfg = load_config(y, ["optim.lr=3e-4", "rollout.n=4", *required])
     assert cfg.optim.lr == 3e-4
     assert cfg.algorithm.name == "dapo"
     assert cfg.rollout.n == 4
-    assert load_config(y, ["train.jax_cache_dir="]).train.jax_cache_dir == ""
+    assert load_config(y, ["train.jax_cache_dir=", *required]).train.jax_cache_dir == ""
     # The saved resolved config loads back into an equal Config.
     saved = save_config(cfg, tmp_path / "run")
     assert load_config(saved) == cfg

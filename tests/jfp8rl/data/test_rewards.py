@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jfp8rl.data.records import Example
 from jfp8rl.data.rewards import (
     ANSWER_PARSERS,
     exact_match,
@@ -59,9 +60,9 @@ def test_overlong_penalty_matches_dapo_formula() -> None:
 
 
 def test_score_responses_adds_shaping_to_correctness() -> None:
-    r, c = score_responses(
+    r, c, extras = score_responses(
         ["12", "13", "12"],
-        ["12", "12", "12"],
+        [Example("1+11=", "12")] * 3,
         np.array([3, 3, 6]),
         verifier=task_verifier,
         max_tokens=6,
@@ -71,6 +72,7 @@ def test_score_responses_adds_shaping_to_correctness() -> None:
     )
     np.testing.assert_allclose(c, [1, 0, 1])
     np.testing.assert_allclose(r, [1, 0, 0])
+    assert extras == {}
 
 
 def test_math_reward_boxed_and_unparsed() -> None:

@@ -47,7 +47,8 @@ def test_prompt_template_checks_and_config(tmp_path: Path) -> None:
         "step by step and output the final answer within \\boxed{{}}.'\n"
         "  chat_template_kwargs: {enable_thinking: false}\n"
     )
-    cfg = load_config(y)
+    required = ["run_dir=r", "optim.lr=1e-6", "rollout.max_tokens=8", "data.max_prompt_tokens=64"]
+    cfg = load_config(y, required)
     assert cfg.data.prompt_template == DEEPSCALER
     assert cfg.data.prompt_template.format(prompt="Q") == (
         "Q Let's think step by step and output the final answer within \\boxed{}."

@@ -124,7 +124,7 @@ def test_two_processes_match_one_and_resume_exactly(
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["2"]
     finish(start(2, resumed, cache_dir, "--resume"), resumed)
     log0, log1 = ((resumed.with_suffix(".log") / f"proc-{i}.log").read_text() for i in (0, 1))
-    assert f"resumed from {resumed}/checkpoints/2 (step 2" in log0, log0[-2000:]
+    assert f"resuming {resumed} from step 2 of 3" in log0, log0[-2000:]
     assert "step 3/3" in log0 and "step 3/3" not in log1  # the console is process 0's
     ra, rb = read_metrics(two), read_metrics(resumed)
     for x, y in zip(ra, rb, strict=True):

@@ -33,7 +33,7 @@ from jfp8rl.trainer.checkpoint import (
     newest_intact,
     steps_on_disk,
 )
-from jfp8rl.trainer.loop import open_checkpoints, run
+from jfp8rl.trainer.loop import resume_point, run
 
 pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
 
@@ -103,8 +103,7 @@ def test_each_damage_is_named_and_set_aside(
             assert size_only == (4 if how == "flip" and rel != "digests.json" else 2), (rel, how)
             assert newest_intact(directory, "none") == (4, [])
             cfg = load_config(TINY, small(run_dir, cache_dir))
-            ckpt, latest = open_checkpoints(cfg, run_dir, "auto")
-            ckpt.close()
+            latest = resume_point(cfg, run_dir, "auto")
             err = capsys.readouterr().err.splitlines()
             assert latest == 2 and len(err) == 1, (rel, how, err)
             head, moved = (
