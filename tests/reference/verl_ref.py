@@ -1,9 +1,10 @@
 """verl 0.9.1's rollout correction on given inputs, for the equality tests of `losses`.
 
-Runs in the vLLM venv (torch; never our packages, which need jax), driven by
-`tests/reference/client.py` (`run_reference(..., script=VERL_SCRIPT)`): `job.json` + .npy inputs
-in, `result.json` + `result.npz` out, no pickle. One job computes every case, so the torch
-import is paid once:
+Runs in the verl venv (verl 0.9.1 from PyPI with torch, built by scripts/setup_verl_env.sh;
+never our packages, which need jax) and calls `verl.trainer.ppo.rollout_corr_helper` as
+installed. Driven by `tests/reference/client.py` (`run_reference(..., script=VERL_SCRIPT,
+python=<verl venv>)`): `job.json` + .npy inputs in, `result.json` + `result.npz` out, no
+pickle. One job computes every case, so the verl import is paid once:
 
     arrays  old, roll, mask        float32 [B, T] log-probs and response mask
     cases   list of {"rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize",
@@ -15,20 +16,19 @@ import is paid once:
             -> meta is_metrics[i]
     thresholds  list of [modes, spec] -> meta thresholds[i], verl's parsed rejection bounds
 
-Usage: `<vllm-venv>/bin/python verl_ref.py JOB.json OUT_DIR`.
+Usage: `<verl-venv>/bin/python verl_ref.py JOB.json OUT_DIR`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import verl_rollout_corr as verl  # noqa: E402
+from verl.trainer.ppo import rollout_corr_helper as verl
 
 
 def run_cases(job: dict, t: dict[str, torch.Tensor]) -> tuple[list[dict], dict[str, np.ndarray]]:
@@ -37,8 +37,8 @@ def run_cases(job: dict, t: dict[str, torch.Tensor]) -> tuple[list[dict], dict[s
         w, kept, mets = verl.compute_rollout_correction_and_rejection_mask(
             t["old"], t["roll"], t["mask"], **case
         )
-        if w is not None:
-            arrays[f"w{i}"] = w.numpy()
+        if w is not None:  # verl wraps the weights in its DataProto
+            arrays[f"w{i}"] = w.batch["rollout_is_weights"].numpy()
         arrays[f"mask{i}"] = kept.numpy()
         metrics.append({k: float(v) for k, v in mets.items()})
     return metrics, arrays
@@ -70,6 +70,7 @@ def main(job_path: str, out_dir: str) -> None:
             for o, (_, spec) in zip(opts, job.get("thresholds", []), strict=True)
         ],
         "torch": torch.__version__,
+        "verl": version("verl"),
     }
     out = Path(out_dir)
     np.savez(out / "result.npz", **arrays)
