@@ -241,7 +241,7 @@ def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> N
     except RewardError as e:
         last = t.ckpt.latest_step()
         raise RunStopped(
-            f"the reward failed at step {p.step + 1}, before its update: {e}\nLast checkpoint: "
+            f"the reward failed at step {p.step}, before its update: {e}\nLast checkpoint: "
             f"{t.ckpt.directory}/{last} (step {last}). Fix the reward function, then resume: "
             + resume_hint(t.cfg)
         ) from e
