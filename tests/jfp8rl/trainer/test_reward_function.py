@@ -17,17 +17,17 @@ from jfp8rl.train import main
 from jfp8rl.trainer.checkpoint import checkpoints_dir, newest_intact
 
 # verl's custom reward signature, with a dict result: `score` plus a metric.
-VERL_REWARD = '''
+VERL_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     exact = float(solution_str.strip() == ground_truth)
     weight = {"sums/a": 1.0, "sums/b": 0.5}[data_source]
     return {"score": weight * exact + 0.01 * extra_info["index"], "exact": exact}
-'''
+"""
 
-FAILING_REWARD = '''
+FAILING_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     raise ValueError(f"cannot read {solution_str!r}")
-'''
+"""
 
 
 def _records(path: Path) -> dict[str, dict]:
