@@ -6,12 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from jfp8rl.data.records import Example
 from jfp8rl.data.rewards import (
     ANSWER_PARSERS,
+    RewardError,
     exact_match,
     last_boxed,
+    load_reward_functions,
     math_answer_parsed,
     math_natural_reward,
     math_verify_reward,
@@ -109,3 +112,72 @@ def test_math_natural_reward_reads_the_box_else_the_last_number() -> None:
         assert math_natural_reward(response, answer) == reward, response
         assert natural_answer_parsed(response) is parsed, response
     assert ANSWER_PARSERS[math_natural_reward] is natural_answer_parsed
+
+
+def test_reward_functions_verl_signature_weights_and_metrics(tmp_path: Path) -> None:
+    """Called with verl's keywords; a float or a dict's `score`, weighted and summed; the
+    dict's other numbers and (with several functions) each one's score as metrics."""
+    f = tmp_path / "r.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(solution_str == ground_truth), 'n': len(extra_info)}\n"
+        "def length(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return len(solution_str) / 10 if data_source == 'a' else 0\n"
+    )
+    fns = load_reward_functions(str(f), "compute_score, length", [1.0, 0.5])
+    examples = [
+        Example("p", "12", {"data_source": "a", "extra_info": {"i": 0, "j": 1}}),
+        Example("q", "7"),
+    ]
+    score, extras = fns.score(["12", "8"], examples)
+    np.testing.assert_allclose(score, [1.0 + 0.5 * 0.2, 0.0])
+    np.testing.assert_allclose(extras["n"], [2, 0])
+    np.testing.assert_allclose(extras["compute_score"], [1.0, 0.0])
+    np.testing.assert_allclose(extras["length"], [0.2, 0.0])
+    # One function: its float is the score, nothing else logged.
+    one = load_reward_functions(str(f), "length", [])
+    score, extras = one.score(["1234"], examples[:1])
+    np.testing.assert_allclose(score, [0.4])
+    assert extras == {}
+
+
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("raise KeyError('x')", "raised KeyError: 'x'"),
+        ("return float('nan')", "returned nan; a reward must be a finite number"),
+        (
+            "return 'high'",
+            "returned 'high'; a reward is a finite number (or a dict with one at 'score')",
+        ),  # fmt: skip
+        ("return {'acc': 1.0}", "returned a dict without 'score': {'acc': 1.0}"),
+        (
+            "return None",
+            "returned None; a reward is a finite number (or a dict with one at 'score')",
+        ),  # fmt: skip
+    ],
+)
+def test_reward_function_failures_name_function_sample_and_value(
+    tmp_path: Path, body: str, why: str
+) -> None:
+    f = tmp_path / "bad.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        f"    if solution_str == 'b':\n        {body}\n    return 1.0\n"
+    )
+    fns = load_reward_functions(str(f), "compute_score", [])
+    with pytest.raises(RewardError) as err:
+        fns.score(["a", "b"], [Example("p", "1"), Example("q", "2")])
+    assert (
+        str(err.value) == f"reward function {f}:compute_score on sample 1 (ground_truth '2') {why}"
+    )
+
+
+def test_reward_file_errors_name_the_key(tmp_path: Path) -> None:
+    f = tmp_path / "r.py"
+    f.write_text("def compute_score(**kw):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=r"reward\.weights=\[1\.0, 2\.0\]: 2 weights for 1"):
+        load_reward_functions(str(f), "compute_score", [1.0, 2.0])
+    f.write_text("import nonexistent_module_xyz\n")
+    with pytest.raises(ValueError, match=r"reward\.path=.*importing it raised ModuleNotFoundError"):
+        load_reward_functions(str(f), "compute_score", [])
