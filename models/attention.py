@@ -209,7 +209,7 @@ def _chunked_fwd(q, k, v, key_mask, cq, ck):
     return out, (q, k, v, key_mask, out, lse)
 
 
-def _chunked_bwd(cq, ck, res, dout):
+def chunked_backward(cq, ck, res, dout):
     """FlashAttention-2's backward: with P = exp(S - lse) recomputed per block,
     dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO * O)), dQ = dS K / sqrt(E),
     dK = dS^T Q / sqrt(E); key blocks outer, the query blocks at or after their diagonal inner."""
@@ -273,7 +273,7 @@ def _chunked_bwd(cq, ck, res, dout):
     return dq, dk[:, :t].astype(k.dtype), dv[:, :t].astype(v.dtype), None
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked.defvjp(_chunked_fwd, chunked_backward)
 
 
 def chunked_attention(

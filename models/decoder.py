@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from models import fp8
+from models import fp8, invariant
 from models.config import ModelConfig, RematPolicy
 from models.sharding import constrain_batch
 
@@ -154,10 +154,16 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), cfg.param_dtype))
         self.eps = cfg.rms_norm_eps
         self.compute_dtype = cfg.compute_dtype
+        self.batch_invariant = cfg.batch_invariant
 
     def __call__(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.batch_invariant:  # a fixed order of the sum, no contraction (models.invariant)
+            sum_sq = invariant.tree_sum(invariant.exact_mul(xf, xf), keepdims=True)
+            mean_sq = invariant.exact_mul(sum_sq, np.float32(1.0 / x.shape[-1]))
+        else:
+            mean_sq = jnp.mean(xf * xf, axis=-1, keepdims=True)
+        xf = xf * jax.lax.rsqrt(mean_sq + self.eps)
         # HF casts the normalised value to the input dtype before the weight multiply.
         return self.weight[...].astype(self.compute_dtype) * xf.astype(self.compute_dtype)
 
@@ -200,13 +206,19 @@ def rope_cos_sin(
 
 
 def apply_rope(
-    x: Float[Array, "B T H D"], cos: Float[Array, "B T D"], sin: Float[Array, "B T D"]
+    x: Float[Array, "B T H D"],
+    cos: Float[Array, "B T D"],
+    sin: Float[Array, "B T D"],
+    *,
+    exact: bool = False,
 ) -> Float[Array, "B T H D"]:
-    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (halves of the head), in f32."""
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (halves of the head), in f32;
+    `exact`: products that are never contracted into the sum (`models.invariant.exact_mul`)."""
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    mul = invariant.exact_mul if exact else jnp.multiply
+    out = mul(xf, cos[:, :, None, :]) + mul(rotated, sin[:, :, None, :])
     return out.astype(x.dtype)
 
 
@@ -222,6 +234,7 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=False, cfg=cfg, rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg=cfg) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg=cfg) if cfg.qk_norm else None
+        self.exact_rope = cfg.batch_invariant
 
     def project_qkv(
         self,
@@ -237,7 +250,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x, dot_general).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        rope = functools.partial(apply_rope, cos=cos, sin=sin, exact=self.exact_rope)
+        return rope(q), rope(k), v
 
     def __call__(
         self,

@@ -1,12 +1,14 @@
 """KV-cache decoding over (graphdef, params), the rollout engine's programs: `init_cache`,
 `prefill`, `decode_step`.
 
-Prompts are left-padded to one length P, `prefill` writes their keys and values into cache slots
-[0, P) and `decode_step` appends one token per call at slot `index`. Slot s of the cache holds
-column s of the sequence `prompt ++ generated`, so each step's logits equal
-`models.functional.forward` over that sequence with the same mask (and the same
-`kv_cache_dtype`). Both run the layers unrolled (`models.decoder.unstack_layers`; stacked params
-are sliced per layer), the cache holding one array per layer. Jit `decode_step` with
+Prompts come left-padded to one length P. The cache is written *by position*: slot s of row b
+holds the token at RoPE position s of that row (`prefill` rotates each prompt left by its
+leading pads before writing slots [0, P); `decode_step` writes row b's next token at slot
+`pos[b]`). So a row's keys sit at the same columns whatever its padding, which the
+batch-invariant attention needs (`models.invariant`), and each step's logits equal
+`models.functional.forward` over the sequence `prompt ++ generated` with the same mask (and the
+same `kv_cache_dtype`). Both run the layers unrolled (`models.decoder.unstack_layers`; stacked
+params are sliced per layer), the cache holding one array per layer. Jit `decode_step` with
 `donate_argnames="cache"` so the cache is updated in place. The FP8 caveat of
 `models.functional` holds here too.
 """
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from models import fp8
+from models import fp8, invariant
 from models import kv_quant as kvq
 from models.attention import reference_attention
 from models.config import ModelConfig
@@ -28,6 +30,7 @@ from models.decoder import Decoder, unstack_layers
 from models.functional import (
     Params,
     apply_head,
+    dot_general_for,
     head_of,
     positions_from_mask,
     self_attention,
@@ -39,12 +42,13 @@ class KVCache(NamedTuple):
     """Static-shape decoding state (a pytree).
 
     k, v:   per layer, [B, K, S, E] keys (after RoPE) and values as stored (`models.kv_quant`:
-            the compute dtype, bf16, or e4m3 codes); slot s = column s. One array per layer,
+            the compute dtype, bf16, or e4m3 codes); slot s = position s. One array per layer,
             heads before slots: a decode step writes its entry into layer i's array in place
             and the attention products read that array as it is (no copy, no transpose).
-    mask:   [B, S] True where slot s holds a real token.
-    pos:    [B] RoPE position of the next token (= real tokens so far in the row).
-    index:  [] the slot the next token is written to (same for every row).
+    mask:   [B, S] True where slot s holds a real token (slots [0, pos[b])).
+    pos:    [B] RoPE position of the next token (= real tokens so far in the row), also the
+            slot it is written to.
+    index:  [] P + decode steps taken: no row has written past it.
     scales: per-layer K/V scales of an FP8 cache (ones, unused, otherwise).
     """
 
@@ -60,15 +64,18 @@ Layers = tuple[tuple[Array, ...], tuple[Array, ...]]
 
 
 def _write_layer(
-    layers: Layers, layer: int, k: Array, v: Array, s: KVScales, start: Array
+    layers: Layers, layer: int, k: Array, v: Array, s: KVScales, start: Int[Array, " B"]
 ) -> Layers:
     """The per-layer caches with layer `layer`'s new keys and values [B, T, K, E], as the
-    cache stores them (`kv_quant.store` with the layer's scales), written at slots
-    [start, start + T) of that layer's array (an in-place update)."""
+    cache stores them (`kv_quant.store` with the layer's scales), row b written at slots
+    [start[b], start[b] + T) of that layer's array (an in-place update)."""
+
+    def put(cache_row: Array, entry_row: Array, at: Array) -> Array:
+        return jax.lax.dynamic_update_slice(cache_row, entry_row, (0, at, 0))
 
     def write(caches: tuple[Array, ...], x: Array, scales: Array) -> tuple[Array, ...]:
         entry = kvq.store(x, scales[layer], caches[layer].dtype).transpose(0, 2, 1, 3)
-        new = jax.lax.dynamic_update_slice(caches[layer], entry, (0, 0, start, 0))
+        new = jax.vmap(put)(caches[layer], entry, start)
         return caches[:layer] + (new,) + caches[layer + 1 :]
 
     return write(layers[0], k, s.k), write(layers[1], v, s.v)
@@ -147,19 +154,22 @@ def prefill(
         )
     fmt = _cache_format(cache, model.cfg.compute_dtype)
     attend = self_attention(model.cfg, attention_mask, fmt, cache.scales)
-    start = jnp.int32(0)
+    key_mask = attention_mask.astype(bool)
+    first = invariant.leading_pads(key_mask)  # rotate rows so position s lands in slot s
+    start = jnp.zeros_like(first)
 
     def attend_at(i: int, q: Array, k: Array, v: Array, layers: Layers) -> tuple[Array, Layers]:
-        return attend(i, q, k, v), _write_layer(layers, i, k, v, cache.scales, start)
+        k_pos, v_pos = invariant.rotate_rows(k, first), invariant.rotate_rows(v, first)
+        return attend(i, q, k, v), _write_layer(layers, i, k_pos, v_pos, cache.scales, start)
 
     h, (k_all, v_all) = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
-        fp8.make_dot_general(recipe),
+        dot_general_for(model.cfg, recipe),
         carry=(cache.k, cache.v),
     )
-    mask = jnp.zeros_like(cache.mask).at[:, :p].set(attention_mask.astype(bool))
+    mask = jnp.zeros_like(cache.mask).at[:, :p].set(invariant.rotate_rows(key_mask, first))
     new_cache = cache._replace(
         k=k_all,
         v=v_all,
@@ -178,29 +188,33 @@ def decode_step(
     *,
     recipe: fp8.Recipe,
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """Appends one token per row at slot `cache.index` and returns the f32 next-token logits.
+    """Appends one token per row at slot `cache.pos[b]` (its position) and returns the f32
+    next-token logits.
 
     Rows that are finished may keep feeding tokens (e.g. pad); their logits are simply ignored.
     """
     model: Decoder = nnx.merge(graphdef, unstack_layers(params))
-    index = cache.index
-    mask = cache.mask | (jnp.arange(cache.mask.shape[1]) == index)[None, :]
-    allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including index
+    pos = cache.pos
+    mask = cache.mask | (jnp.arange(cache.mask.shape[1])[None, :] == pos[:, None])
+    allowed = mask[:, None, :]  # [B, 1, S]: every written slot up to and including pos
 
     def attend_at(i: int, q: Array, k: Array, v: Array, layers: Layers) -> tuple[Array, Layers]:
-        # Layer i's cache with the new entry written at slot `index`, read as stored.
-        layers = _write_layer(layers, i, k, v, cache.scales, index)
+        # Layer i's cache with the new entry written at slot `pos`, read as stored.
+        layers = _write_layer(layers, i, k, v, cache.scales, pos)
         k_i, v_i = (
             kvq.load(c[i], sc[i], q.dtype) for c, sc in zip(layers, cache.scales, strict=True)
         )
+        if model.cfg.batch_invariant:
+            out = invariant.exact_decode_attention(q, k_i, v_i, pos, chunk=invariant.CHUNK)
+            return out, layers
         return reference_attention(q, k_i, v_i, allowed, heads_major=True), layers
 
     h, (k_all, v_all) = model.hidden_states(
         token[:, None],
-        cache.pos[:, None],
+        pos[:, None],
         attend_at,
-        fp8.make_dot_general(recipe),
+        dot_general_for(model.cfg, recipe),
         carry=(cache.k, cache.v),
     )
-    new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=cache.pos + 1, index=index + 1)
+    new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=pos + 1, index=cache.index + 1)
     return apply_head(h[:, 0], head_of(model)), new_cache

@@ -22,10 +22,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from models import fp8
+from models import fp8, invariant
 from models import kv_quant as kvq
 from models.attention import causal_self_attention
 from models.config import ModelConfig
@@ -78,6 +79,8 @@ def self_attention(
         if kv_cache_dtype != "auto":
             k = kvq.round_trip(k, scales.k[i], kv_cache_dtype)
             v = kvq.round_trip(v, scales.v[i], kv_cache_dtype)
+        if cfg.batch_invariant:
+            return invariant.exact_attention(q, k, v, key_mask, chunk=invariant.CHUNK)
         return causal_self_attention(
             q, k, v, key_mask, impl=cfg.attention, chunk=cfg.attention_chunk
         )
@@ -109,18 +112,26 @@ def hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
-        fp8.make_dot_general(recipe),
+        dot_general_for(cfg, recipe),
         remat=cfg.remat,
     )
     return h
 
 
+def dot_general_for(cfg: ModelConfig, recipe: fp8.Recipe):
+    """The linear layers' `dot_general` under `recipe`, with at least `invariant.MIN_ROWS` rows
+    per GEMM when `cfg.batch_invariant` (`models.invariant`, rule 1)."""
+    dot = fp8.make_dot_general(recipe)
+    return invariant.rows_padded(dot) if cfg.batch_invariant else dot
+
+
 class Head(NamedTuple):
-    """The LM head weight in compute dtype as the model stores it, and the einsum that applies
-    it (`head_of`)."""
+    """The LM head weight in compute dtype as the model stores it, the einsum that applies it
+    (`head_of`), and whether its rows are padded to `invariant.MIN_ROWS` (batch-invariant)."""
 
     w: Array
     spec: str
+    min_rows: int = 1
 
     @property
     def vocab_size(self) -> int:
@@ -136,9 +147,10 @@ def head_of(model: Decoder) -> Head:
     materialises its transpose (an f32 [D, V] copy handed to the logprob scan, and a [D, V]
     gradient accumulator in its backward: 0.6 GB each at a 152k vocabulary and d = 1024)."""
     dtype = model.cfg.compute_dtype
+    rows = invariant.MIN_ROWS if model.cfg.batch_invariant else 1
     if model.lm_head is None:
-        return Head(model.model.embed_tokens.embedding[...].astype(dtype), _TIED_HEAD)
-    return Head(model.lm_head[...].astype(dtype), _UNTIED_HEAD)
+        return Head(model.model.embed_tokens.embedding[...].astype(dtype), _TIED_HEAD, rows)
+    return Head(model.lm_head[...].astype(dtype), _UNTIED_HEAD, rows)
 
 
 def _head(graphdef: nnx.GraphDef, params: Params) -> Head:
@@ -147,7 +159,37 @@ def _head(graphdef: nnx.GraphDef, params: Params) -> Head:
 
 def apply_head(h: Float[Array, "... D"], head: Head) -> Float[Array, "... V"]:
     # The LM head stays out of FP8: compute-dtype operands, f32 accumulation, f32 logits.
-    return jnp.einsum(head.spec, h, head.w, preferred_element_type=jnp.float32)
+    rows, m = invariant.pad_rows(h, head.min_rows)
+    z = jnp.einsum(head.spec, rows, head.w, preferred_element_type=jnp.float32)
+    return z[:m].reshape(*h.shape[:-1], z.shape[-1])
+
+
+def inverse_temperature(temperature: float) -> np.float32:
+    """1 / temperature as the f32 division the engine's sampler computes on its per-row
+    temperatures (a multiplication by it scales the logits the same way on both sides)."""
+    return np.float32(1.0) / np.float32(temperature)
+
+
+def scale_logits(logits: Float[Array, "... V"], inv_temperature: Array) -> Float[Array, "... V"]:
+    """f32 logits times 1 / temperature (`inverse_temperature`): the product rounded to f32 on
+    its own (`models.invariant.exact_mul`), never fused with the log-softmax's subtraction."""
+    return invariant.exact_mul(logits.astype(jnp.float32), inv_temperature)
+
+
+def log_probs(z: Float[Array, "... V"], *, exact: bool = False) -> Float[Array, "... V"]:
+    """log softmax(z) over the vocabulary: the one formula by which the engine's sampler and
+    the trainer's log-prob head turn temperature-scaled f32 logits into log-probabilities;
+    `exact` (batch-invariant models) sums the exponentials in a fixed order
+    (`models.invariant`, rule 3)."""
+    return invariant.log_softmax(z) if exact else jax.nn.log_softmax(z, axis=-1)
+
+
+def token_logprob_terms(
+    z: Float[Array, "... V"], tokens: Int[Array, "..."], *, exact: bool = False
+) -> Float[Array, "..."]:
+    """log softmax(z)[token] (`log_probs`)."""
+    logp = log_probs(z, exact=exact)
+    return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
 def forward(
@@ -197,6 +239,7 @@ def token_logprobs_and_entropy(
     kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
     h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
     head = _head(graphdef, params)
+    exact = head.min_rows > 1  # a batch-invariant model
     b, t, d = h.shape
     if chunk_size is None:
         chunk_size = LOGITS_CHUNK_BYTES // (4 * b * head.vocab_size)
@@ -212,11 +255,10 @@ def token_logprobs_and_entropy(
     def chunk(h_c: Array, tgt_c: Array) -> tuple[Array, Array]:
         z = apply_head(h_c, head)
         if temperature != 1.0:
-            z = z / temperature
+            z = scale_logits(z, inverse_temperature(temperature))
         lse = jax.nn.logsumexp(z, axis=-1)
-        z_tgt = jnp.take_along_axis(z, tgt_c[..., None], axis=-1)[..., 0]
         ent = lse - jnp.sum(jnp.exp(z - lse[..., None]) * z, axis=-1)
-        return z_tgt - lse, ent
+        return token_logprob_terms(z, tgt_c, exact=exact), ent
 
     def body(carry: None, xs: tuple[Array, Array]) -> tuple[None, tuple[Array, Array]]:
         return None, chunk(*xs)

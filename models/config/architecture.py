@@ -65,6 +65,11 @@ class ModelConfig:
     # chunked. The one-token decode step always reads its cache directly ([B, H, 1, S]).
     attention: AttentionImpl = "auto"
     attention_chunk: int = 512  # query and key block length of "chunked" (tokens)
+    # Batch-invariant numerics (`models.invariant`): a token's numbers do not depend on its
+    # batch, padding, sequence length or KV-cache size, so the rollout engine's log-probs equal
+    # the trainer's bit for bit. Attention runs by position-aligned key chunks (`attention` is
+    # then not used) and token GEMMs get at least 64 rows. Set by `rollout.on_policy: exact`.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCHITECTURES:

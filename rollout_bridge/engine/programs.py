@@ -71,7 +71,8 @@ def generate_rows(
     logits, cache = decoding.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
     if prompt.shape[0] != rows:  # one prefill per prompt: copy its cache row to each sample
         logits, cache = logits[source], decoding.take_rows(cache, source)
-    tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p)
+    exact = cfg.batch_invariant
+    tok, lp = smp.sample_tokens(logits, keys, jnp.int32(0), temperature, top_k, top_p, exact=exact)
     live = max_new > 0
     out_tok = jnp.zeros((rows, steps), jnp.int32).at[:, 0].set(jnp.where(live, tok, 0))
     out_lp = jnp.zeros((rows, steps), jnp.float32).at[:, 0].set(jnp.where(live, lp, 0.0))
@@ -85,7 +86,7 @@ def generate_rows(
     def body(state):
         step, cache, prev, out_tok, out_lp, done, lengths = state
         logits, cache = decoding.decode_step(graphdef, params, prev, cache, recipe=recipe)
-        tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p)
+        tok, lp = smp.sample_tokens(logits, keys, step, temperature, top_k, top_p, exact=exact)
         active = ~done
         out_tok = out_tok.at[:, step].set(jnp.where(active, tok, 0))
         out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))

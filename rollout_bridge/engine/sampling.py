@@ -4,7 +4,8 @@ Pure functions on `[B, V]` logits, one row per sequence, every knob a per-row ar
 change of temperature or top-p between RL steps never recompiles the decode loop.
 
 The distribution a row samples from (the order and the rules follow vLLM's V1 sampler):
-  1. `z = logits / T` (float32);
+  1. `z = logits * (1 / T)` (float32; the reciprocal is the trainer's too,
+     `models.functional.inverse_temperature`, so both scale the logits alike);
   2. top-k: keep the tokens with `z >= z_(k)`, the k-th largest value (ties at the threshold are
      kept, as vLLM does); `k <= 0` or `k >= V` disables it;
   3. top-p: sort the survivors by probability, descending; keep a token when the probability
@@ -31,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from models.functional import log_probs, scale_logits
+
 _NEG_INF = -jnp.inf
 
 
@@ -48,7 +51,7 @@ def processed_logits(
     z_BxV = logits.astype(jnp.float32)
     vocab = z_BxV.shape[-1]
     t_B = jnp.where(temperature > 0, temperature, 1.0).astype(jnp.float32)
-    z_BxV = z_BxV / t_B[:, None]
+    z_BxV = scale_logits(z_BxV, (jnp.float32(1.0) / t_B)[:, None])
 
     k_B = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).astype(jnp.int32)
     truncated = jnp.any(k_B < vocab) | jnp.any(top_p < 1.0)
@@ -102,8 +105,11 @@ def sample_tokens(
     temperature: Float[Array, " B"],
     top_k: Int[Array, " B"],
     top_p: Float[Array, " B"],
+    *,
+    exact: bool = False,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
-    """Draws one token per row and returns `(token, log pi(token))` (module docstring).
+    """Draws one token per row and returns `(token, log pi(token))` (module docstring);
+    `exact`: the log-softmax of a batch-invariant model (`models.functional.log_probs`).
 
     Args:
       logits: next-token logits of each row.
@@ -112,7 +118,7 @@ def sample_tokens(
       temperature, top_k, top_p: per-row sampling parameters.
     """
     z_BxV = processed_logits(logits, temperature, top_k, top_p)
-    logpi_BxV = jax.nn.log_softmax(z_BxV, axis=-1)
+    logpi_BxV = log_probs(z_BxV, exact=exact)
     is_greedy_B = temperature <= 0
     zeros_B = jnp.zeros(is_greedy_B.shape, jnp.int32)
     drawn_B = jax.lax.cond(
