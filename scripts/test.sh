@@ -56,7 +56,7 @@ if not junit.is_file():
 
 
 def node(classname: str, name: str) -> str:
-    """tests.losses.test_x.TestY -> tests/losses/test_x.py::TestY::name"""
+    """junit's dotted classname (package.module.Class) and name -> pytest's node id."""
     parts = classname.split(".")
     for i in range(len(parts), 0, -1):
         if Path("/".join(parts[:i]) + ".py").is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,3 +82,119 @@ def test_every_cited_module_and_name_exists() -> None:
     assert not missing, "cited but not defined:\n" + "\n".join(
         f"  {n} (cited at {w})" for n, w in sorted(missing.items())
     )
+
+
+# Markdown links ([text](target), images too) in the README and docs/: relative targets only.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def markdown_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+def anchors(page: Path) -> set[str]:
+    """The heading anchors GitHub gives `page`: lower case, punctuation but `-` and `_`
+    dropped, spaces as `-`, a repeated heading numbered `-1`, `-2`, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in re.sub(r"```.*?```", "", page.read_text(), flags=re.S).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_markdown_links_resolve() -> None:
+    """Every relative link of the README and docs/ names a file of the repository and, with a
+    `#fragment` into a markdown page, one of its headings."""
+    broken = []
+    for page in markdown_pages():
+        for target in LINK.findall(CODE.sub("", page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(REPO)}: ({target})"
+            if not dest.exists() or REPO not in (dest, *dest.parents):
+                broken.append(f"{where}: no such file")
+            elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+                broken.append(f"{where}: no heading #{fragment} in {dest.relative_to(REPO)}")
+    assert not broken, "broken links:\n  " + "\n  ".join(broken)
+
+
+DOC_PAGE = re.compile(r"docs/[\w./-]+\.md")
+# Versions (jax 0.11.2, Python 3.12) are not figures.
+VERSION = re.compile(r"\b\d+\.\d+\.\d+\b|(?i:python|jax|verl|vllm|torch|transformers)[ -]v?[\d.]+")
+# A measured figure: a decimal number, or a number with a unit.
+FIGURE = re.compile(
+    r"(?P<approx>(?:about|~)\s*)?(?<![\w.-])(?P<num>\d+\.\d+(?![\w.])|\d+(?:\.\d+)?"
+    r"(?=x\b|%| ?(?:GB|GiB|MB|MiB|ms|s|min|minutes|hours|nats)\b))"
+)
+NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+
+
+def quoted_figures() -> list[tuple[str, bool, list[str], str]]:
+    """(figure, approximate?, the docs pages cited beside it, the README item) for every
+    figure in a README paragraph or list item that cites a docs page."""
+    text = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.S)
+    out = []
+    for item in re.split(r"\n\s*\n|\n(?=\s*[-*] )", text):
+        pages = sorted(set(DOC_PAGE.findall(item)))
+        prose = VERSION.sub("", re.sub(r"`[^`]*`", "", item))
+        for m in FIGURE.finditer(prose) if pages else ():
+            out.append((m.group("num"), bool(m.group("approx")), pages, item.strip()[:70]))
+    return out
+
+
+def appears(figure: str, approx: bool, text: str) -> bool:
+    """`text` holds `figure`, or a more precise number that rounds to it; "about N" also
+    accepts a number within 10% (about 17 minutes: 16 min 43 s)."""
+    want = Decimal(figure)
+    places = Decimal(1).scaleb(want.as_tuple().exponent)
+    for found in NUMBER.findall(text):
+        got = Decimal(found)
+        if got.as_tuple().exponent <= want.as_tuple().exponent and (
+            got.quantize(places, rounding=ROUND_HALF_UP) == want
+        ):
+            return True
+        if approx and abs(got - want) <= max(Decimal(1), want / 10):
+            return True
+    return False
+
+
+def test_readme_figures_appear_in_the_docs_they_cite() -> None:
+    """A figure the README quotes beside a docs page (a measurement: accuracy, a speed-up, a
+    time) is in that page, so the README never quotes a number without its source."""
+    figures = quoted_figures()
+    missing = [
+        f"{fig} (in {item!r}...) not in {', '.join(pages)}"
+        for fig, approx, pages, item in figures
+        if not any(appears(fig, approx, (REPO / p).read_text()) for p in pages)
+    ]
+    assert not missing, "README figures without their source:\n  " + "\n  ".join(missing)
+
+
+def test_the_figure_check_reads_figures_and_their_sources() -> None:
+    # The README quotes the SmolLM2 learning run's accuracies beside docs/smollm2.md.
+    assert ("0.58", False, ["docs/smollm2.md"]) in [f[:3] for f in quoted_figures()]
+    assert appears("0.58", False, "| 0.141 | 0.312 | **0.578** |")
+    assert not appears("0.58", False, "0.5 and 0.6, 0.585, 1.58")
+    assert appears("17", True, "+0.44 in 16 min 43 s wall")
+    assert not appears("17", False, "16 min 43 s")
+
+
+def test_anchors_follow_githubs_heading_ids(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text(
+        "# The FP8 study\n## Part A: the audit (`python -m jfp8rl.audit`)\n"
+        "```\n# not a heading\n```\n## Discussion: the paper's claim\n## Tests\n### Tests\n"
+    )
+    assert anchors(page) == {
+        "the-fp8-study", "part-a-the-audit-python--m-jfp8rlaudit",
+        "discussion-the-papers-claim", "tests", "tests-1",
+    }  # fmt: skip
