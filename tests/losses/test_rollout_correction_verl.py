@@ -3,7 +3,7 @@ package installed in the verl venv (scripts/setup_verl_env.sh) and run on the sa
 IS weights (TIS / IcePop, token / sequence, with and without batch normalisation), every
 rejection mode alone and comma-combined, the threshold parsing, and every `rollout_corr/`
 metric. One reference process for all cases. Skips, with the reason, only where the verl venv
-cannot be built (scripts/test.sh builds it first, so CI never skips)."""
+cannot be built or JFP8RL_SKIP_VERL=1 (scripts/test.sh builds it first, so CI never skips)."""
 
 from __future__ import annotations
 
