@@ -32,6 +32,7 @@ LAYERS = (
     ("jfp8rl.observe",),
     ("jfp8rl.trainer",),
     ("jfp8rl.analysis",),
+    ("jfp8rl.api",),
     tuple(sorted(COMMANDS)),
 )
 
