@@ -12,8 +12,10 @@ invocations of one run (`RESUMABLE`, prefixes of dotted keys):
     train.jax_cache_dir             the compilation cache
     checkpoint.*                    save cadence, how many are kept, final export, resume check
     logging.*                       console, TensorBoard, rollout dumps
-    rollout.url, rollout.urls, rollout.api_key, rollout.export_root, rollout.timeout_s,
-    rollout.max_retries             where the rollout servers are and how they are reached
+    rollout.backend, rollout.url, rollout.urls, rollout.api_key, rollout.export_root,
+    rollout.export_hash, rollout.timeout_s, rollout.max_retries
+                                    which engine samples (embedded or servers), where the
+                                    servers are, how they are reached and exports checked
     rollout.max_num_seqs            sequences decoded at once (the samples do not depend on it)
     warmstart.cache_dir             where the base policy is cached (its key names the policy)
 """
@@ -36,10 +38,12 @@ RESUMABLE = (
     "eval.",
     "checkpoint.",
     "logging.",
+    "rollout.backend",
     "rollout.url",
     "rollout.urls",
     "rollout.api_key",
     "rollout.export_root",
+    "rollout.export_hash",
     "rollout.timeout_s",
     "rollout.max_retries",
     "rollout.max_num_seqs",
