@@ -99,6 +99,8 @@ def init_cache(
     dtype = kvq.storage_dtype(kv_cache_dtype, cfg.compute_dtype)
     if kv_cache_dtype == "fp8" and kv_scales is None:
         raise ValueError("init_cache: kv_cache_dtype='fp8' needs kv_scales (per-layer K/V scales)")
+    if cfg.batch_invariant:  # whole attention chunks: the decode step reads them in place
+        max_len = -(-max_len // invariant.CHUNK) * invariant.CHUNK
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),

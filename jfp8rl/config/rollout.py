@@ -18,6 +18,27 @@ DEFAULT_ROLLOUT_URL = "http://127.0.0.1:8000"
 API_KEY_ENV = "JFP8RL_ROLLOUT_API_KEY"
 # rollout.max_staleness values the trainer implements (jfp8rl.trainer.overlap).
 MAX_STALENESS = (0, 1)
+# rollout.on_policy values, and the recipes "exact" runs bit-identically (models.invariant).
+ON_POLICY = ("off", "exact")
+EXACT_RECIPES = ("bf16", "fp8_block")
+
+
+def check_exact_on_policy(rollout: RolloutConfig, train_recipe: str, tensor: int) -> None:
+    """The cross-section conditions of `rollout.on_policy: exact` (the rollout section checks
+    its own): the trainer runs the rollout's recipe, and no tensor-parallel layer splits a
+    GEMM's sum over devices."""
+    if rollout.on_policy != "exact":
+        return
+    if train_recipe != rollout.recipe:
+        raise ConfigError(
+            f"rollout.on_policy=exact cannot hold with train.recipe={train_recipe} and "
+            f"rollout.recipe={rollout.recipe}: set both to the same recipe"
+        )
+    if tensor != 1:
+        raise ConfigError(
+            f"rollout.on_policy=exact cannot hold with train.mesh.tensor={tensor} (a "
+            "tensor-parallel all-reduce sums partial products in shard order): use tensor=1"
+        )
 
 
 @dataclasses.dataclass
@@ -84,6 +105,18 @@ class RolloutConfig:
     # A step that saves a checkpoint starts no rollout ahead, so a resume is exact
     # (jfp8rl.trainer.overlap; docs/rollout.md).
     max_staleness: int = 0
+    # True on-policy rollouts: "exact" runs the policy with batch-invariant numerics
+    # (models.invariant) in the embedded engine and in the trainer, so the engine's sampled-token
+    # log-probs equal, bit for bit, what the trainer computes for the same tokens; the trainer
+    # then takes them as the old log-probs (verl's "bypass" mode) instead of recomputing them.
+    # Needs the embedded backend, rollout.recipe = train.recipe in {bf16, fp8_block}, no top-k /
+    # top-p, kv_cache_dtype auto, max_staleness 0, no tensor parallelism, a CPU backend.
+    # "off": the engine's own numerics; the trainer recomputes the old log-probs.
+    on_policy: str = "off"
+    # With on_policy=exact: every N steps (and at step 1) recompute the old log-probs of one
+    # mini-batch and log rollout_corr/exact_share (1.0 when exact) and rollout_corr/max_abs_dlogp;
+    # 0 = never.
+    on_policy_check_every: int = 10
 
     def server_urls(self) -> list[str]:
         """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
@@ -111,3 +144,27 @@ class RolloutConfig:
         check_positive("rollout", "temperature", self.temperature)
         check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
         check_choice("rollout", "max_staleness", self.max_staleness, MAX_STALENESS)
+        check_choice("rollout", "on_policy", self.on_policy, ON_POLICY)
+        check_positive(
+            "rollout", "on_policy_check_every", self.on_policy_check_every, allow_zero=True
+        )
+        if self.on_policy == "exact":
+            self._check_exact()
+
+    def _check_exact(self) -> None:
+        """What `on_policy: exact` cannot hold to, refused with the key and the way out."""
+        why = [
+            (self.backend != "embedded", f"rollout.backend={self.backend} (a server's kernels "
+             "are not batch-invariant): use rollout.backend=embedded"),
+            (self.recipe not in EXACT_RECIPES, f"rollout.recipe={self.recipe}: use one of "
+             f"{', '.join(EXACT_RECIPES)} (fp8_tensor's batch-wide amax couples the rows)"),
+            (self.top_k > 0 or self.top_p < 1.0, f"rollout.top_k={self.top_k} / rollout.top_p="
+             f"{self.top_p} (the trainer scores the untruncated distribution): set top_k=-1, "
+             "top_p=1.0"),
+            (self.kv_cache_dtype != "auto", f"rollout.kv_cache_dtype={self.kv_cache_dtype}: "
+             "use auto"),
+            (self.max_staleness != 0, f"rollout.max_staleness={self.max_staleness}: use 0"),
+        ]  # fmt: skip
+        for bad, message in why:
+            if bad:
+                raise ConfigError(f"rollout.on_policy=exact cannot hold with {message}")

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import field
 
 from jfp8rl.config.checks import ConfigError
-from jfp8rl.config.rollout import RolloutConfig
+from jfp8rl.config.rollout import RolloutConfig, check_exact_on_policy
 from jfp8rl.config.sections import (
     AlgorithmConfig,
     CalibrationConfig,
@@ -63,6 +63,7 @@ class Config:
         m = self.train.mesh
         if -1 not in (m.data, m.fsdp):
             check_batch_split(self, m.data * m.fsdp)
+        check_exact_on_policy(self.rollout, self.train.recipe, m.tensor)
 
     @property
     def max_sequence_tokens(self) -> int:

@@ -67,7 +67,7 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
     m = cfg.model
     mcfg, graphdef, params = load_hf(
         path, mesh=mesh, compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat,
-        attention=m.attention,
+        attention=m.attention, batch_invariant=cfg.rollout.on_policy == "exact",
     )  # fmt: skip
     tok = load_tokenizer(path)
     return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok), path)

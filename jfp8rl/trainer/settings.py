@@ -11,6 +11,7 @@ from jfp8rl.config import AlgorithmConfig, Config, ConfigError, check_batch_spli
 from jfp8rl.data.rewards import Reward, get_verifier, load_reward_functions
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.microbatch import length_buckets
+from jfp8rl.trainer.on_policy import require_backend
 from jfp8rl.trainer.optimizer import OptimSettings
 from jfp8rl.trainer.rollout import RolloutSettings
 from jfp8rl.trainer.step_settings import StepSettings, default_settings
@@ -34,6 +35,7 @@ def loss_algorithm(a: AlgorithmConfig) -> Algorithm:
 
 def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
     """The jitted step's static settings from the config (algorithm, calibration, AdamW)."""
+    require_backend(cfg)
     a = cfg.algorithm
     algo = loss_algorithm(a)
     c = cfg.calibration
@@ -51,6 +53,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         max_tokens_per_micro_batch=cfg.train.max_tokens_per_micro_batch,
         length_buckets=length_buckets(cfg.max_sequence_tokens, cfg.train.length_buckets),
         temperature=cfg.rollout.temperature,
+        old_logp_from_rollout=cfg.rollout.on_policy == "exact",
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

@@ -30,6 +30,7 @@ from jfp8rl.observe.memory import log_memory
 from jfp8rl.observe.rollout_dump import write_rollouts
 from jfp8rl.parallel import distributed
 from jfp8rl.parallel import mesh as mesh_lib
+from jfp8rl.trainer import on_policy
 from jfp8rl.trainer.backends import kv_scale_push, push_format, push_params, version
 from jfp8rl.trainer.errors import RunStopped, resume_hint
 from jfp8rl.trainer.evaluation import evaluate
@@ -112,6 +113,23 @@ def stage_prepare(
     )
     full = {k: host[k] for k in UPDATE_INPUTS} | {k: host_array(v) for k, v in out.items()}
     return full, {k: float(v) for k, v in mets.items()}
+
+
+def stage_on_policy_check(
+    t: Trainer, state: dict[str, Any], full: dict[str, np.ndarray]
+) -> dict[str, float]:
+    """`rollout.on_policy: exact`'s check on one mini-batch (`jfp8rl.trainer.on_policy`)."""
+    rows = full["tokens"].shape[0] // t.cfg.train.mini_batches
+    mets = on_policy.on_policy_check(
+        t.policy.graphdef, t.settings, t.fns, t.mesh, state["params"], full, rows
+    )
+    if mets["rollout_corr/exact_share"] < 1.0:
+        t.log(
+            f"warning: rollout.on_policy=exact but only {mets['rollout_corr/exact_share']:.4f} of "
+            f"the rollout's log-probs equal the trainer's (max |dlogp| "
+            f"{mets['rollout_corr/max_abs_dlogp']:.3g}); the old log-probs are the rollout's"
+        )
+    return mets
 
 
 def stage_update(
@@ -278,6 +296,8 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     full, prep = stage_prepare(t, state, batch, calibrate)
     jax.block_until_ready(full)  # so that prepare_s holds prepare's compute, not update_s
     t_prep = time.perf_counter() - t1
+    if on_policy.check_due(t.cfg, p.step):
+        prep |= stage_on_policy_check(t, state, full)
     if t.cfg.logging.rollout_samples and distributed.is_main():
         write_rollouts(t.cfg.run_dir, p.step, batch, full["advantages"], t.fmt,
                        t.cfg.logging.rollout_samples, t.cfg.rollout.n)  # fmt: skip

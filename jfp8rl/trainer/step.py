@@ -183,9 +183,10 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
 
         def forwards(mb):
             out = {}
-            out["old_all"], out["entropy"] = response_logprobs(
-                graphdef, params, mb, s.train_recipe, s.temperature
-            )
+            if not s.old_logp_from_rollout:
+                out["old_all"], out["entropy"] = response_logprobs(
+                    graphdef, params, mb, s.train_recipe, s.temperature
+                )
             if calibrate:
                 out["old_bf16"] = response_logprobs(
                     graphdef, params, mb, s.shadow_recipe, s.temperature
@@ -196,8 +197,14 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
                 )[0]
             return out
 
-        f = map_micro(forwards, {n: batch[n] for n in MODEL_INPUTS}, k, dat)
-        old_all, ent = f["old_all"], f["entropy"]
+        exact = s.old_logp_from_rollout  # bit-identical rollout: its log-probs are the old ones
+        needs_forward = not exact or calibrate or ref_params is not None
+        f = (
+            map_micro(forwards, {n: batch[n] for n in MODEL_INPUTS}, k, dat)
+            if needs_forward
+            else {}
+        )
+        old_all = batch["rollout_logp"] if exact else f["old_all"]
         resp_len = mask.shape[1]
         valid = (jnp.arange(resp_len)[None, :] < batch["response_lens"][:, None]).astype(
             jnp.float32
@@ -229,8 +236,10 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
             # Mismatch and entropy over every sampled token, including groups that dynamic
             # sampling left out of the loss.
             **rc.mismatch_metrics(old_all, batch["rollout_logp"], valid),
-            "actor/entropy": jnp.sum(ent * valid) / jnp.maximum(jnp.sum(valid), 1.0),
         }
+        if not exact:
+            ent = f["entropy"]
+            metrics["actor/entropy"] = jnp.sum(ent * valid) / jnp.maximum(jnp.sum(valid), 1.0)
         return out, metrics
 
     def bounds(calib_state, logp8, logp16, mb, on_policy, calibrate):

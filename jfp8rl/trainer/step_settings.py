@@ -34,6 +34,8 @@ class StepSettings(NamedTuple):
     max_tokens_per_micro_batch: int = 0
     length_buckets: tuple[int, ...] = ()
     temperature: float = 1.0  # rollout.temperature: logprobs are scored at logits / temperature
+    # rollout.on_policy=exact: the rollout's log-probs are the old log-probs (no recompute).
+    old_logp_from_rollout: bool = False
 
 
 def default_settings(
@@ -54,6 +56,7 @@ def default_settings(
     max_tokens_per_micro_batch: int = 0,
     length_buckets: tuple[int, ...] = (),
     temperature: float = 1.0,
+    old_logp_from_rollout: bool = False,
 ) -> StepSettings:
     """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
     (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
@@ -74,4 +77,5 @@ def default_settings(
         max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         length_buckets=tuple(length_buckets),
         temperature=temperature,
+        old_logp_from_rollout=old_logp_from_rollout,
     )

@@ -14,9 +14,10 @@ dequantizing 1-byte codes in every decode step. The installed layers are held pe
 program runs them unrolled and each GEMM reads its layer's weights in place instead of a copy
 sliced out of the stacked arrays at every step.
 
-Re-quantizing `q * s` is not bit-idempotent in general: the re-derived scale
-`fl(448 s) * (1/448)` can move s by one f32 ulp. The FP8 codes are unchanged and the scales
-agree to <= 1 ulp (tested), so the engine computes with q * s' for |s' - s| <= 1 ulp.
+An FP8 linear pushed under the engine's own recipe (the same 128 x 128 blocks and format) is
+installed as `q * s` as it is, the trainer's operand bit for bit. Re-quantizing it would not be
+idempotent: the re-derived scale `fl(448 s) * (1/448)` can move s by one f32 ulp, so only a
+push of another tiling or format is quantized again.
 """
 
 from __future__ import annotations

