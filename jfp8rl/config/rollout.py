@@ -110,7 +110,8 @@ class RolloutConfig:
     # log-probs equal, bit for bit, what the trainer computes for the same tokens; the trainer
     # then takes them as the old log-probs (verl's "bypass" mode) instead of recomputing them.
     # Needs the embedded backend, rollout.recipe = train.recipe in {bf16, fp8_block}, no top-k /
-    # top-p, kv_cache_dtype auto, max_staleness 0, no tensor parallelism, a CPU backend.
+    # top-p, kv_cache_dtype auto, max_staleness 0, no tensor parallelism, a CPU backend; the
+    # weights are pushed as fp32 (rollout.export_format empty or fp32).
     # "off": the engine's own numerics; the trainer recomputes the old log-probs.
     on_policy: str = "off"
     # With on_policy=exact: every N steps (and at step 1) recompute the old log-probs of one
@@ -164,6 +165,8 @@ class RolloutConfig:
             (self.kv_cache_dtype != "auto", f"rollout.kv_cache_dtype={self.kv_cache_dtype}: "
              "use auto"),
             (self.max_staleness != 0, f"rollout.max_staleness={self.max_staleness}: use 0"),
+            (self.export_format not in ("", "fp32"), f"rollout.export_format="
+             f"{self.export_format} (it rounds the norms and embeddings): leave it empty"),
         ]  # fmt: skip
         for bad, message in why:
             if bad:

@@ -45,9 +45,14 @@ def version(k: int) -> str:
 def push_format(r: RolloutConfig) -> str:
     """The rollout format of the weight pushes: `rollout.export_format`, else bf16 for servers
     and the engine's own default for the embedded backend (`default_export_format`). Every
-    process of a run decides it the same way: it sets the dtype the params are fetched in."""
+    process of a run decides it the same way: it sets the dtype the params are fetched in.
+    `rollout.on_policy: exact` pushes fp32: the engine then holds the trainer's own f32 norms,
+    embedding and head (the fp8 format rounds them to bf16) and quantizes the linears from the
+    same masters by the same function as the trainer's forward."""
     if r.export_format:
         return r.export_format
+    if r.on_policy == "exact":
+        return "fp32"
     if r.backend == "embedded":
         return default_export_format(get_recipe(r.recipe))
     return "bf16"
