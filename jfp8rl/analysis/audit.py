@@ -366,7 +366,7 @@ def run_audit(
     sets = [*overrides, f"run_dir={out / 'run'}", *fresh, "logging.console=none",
             "logging.tensorboard=false"]  # fmt: skip
     cfg = load_config(config, sets)
-    t, state, progress, _ = setup(cfg, "never", log, sys.stderr)
+    t, state, progress = setup(cfg, None, log, sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     try:

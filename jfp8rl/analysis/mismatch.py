@@ -355,7 +355,7 @@ def run_mismatch(
     sets = [*overrides, f"run_dir={out / 'run'}", "logging.console=none",
             "logging.tensorboard=false"]  # fmt: skip
     cfg = load_config(config, sets)
-    t, state, _, _ = setup(cfg, "never", log, sys.stderr)
+    t, state, _ = setup(cfg, None, log, sys.stderr)
     try:
         t.backend.close()  # each rollout recipe gets its own engine (`sample`)
         arrays: dict[str, np.ndarray] = {}

@@ -205,9 +205,17 @@ def open_metrics(t: Trainer, p: Progress, out: Any) -> MetricsLogger:
 
 
 def setup(
-    cfg: Config, latest: int | None, log: Any, out: Any, datasets: Datasets, reward: Reward
+    cfg: Config,
+    latest: int | None,
+    log: Any,
+    out: Any,
+    datasets: Datasets | None = None,
+    reward: Reward | None = None,
 ) -> tuple[Trainer, dict[str, Any], Progress]:
-    """Builds the trainer and its state (fresh, or from checkpoint `latest`), stage by stage."""
+    """Builds the trainer and its state (fresh, or from checkpoint `latest`), stage by stage;
+    the config's data and reward unless `datasets` / `reward` are given."""
+    datasets = datasets if datasets is not None else load_datasets(cfg)
+    reward = reward if reward is not None else reward_of(cfg)
     log_memory(log, "start")
     run_dir = open_run_dir(cfg)
     mesh = build_mesh(cfg)
