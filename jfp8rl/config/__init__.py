@@ -2,7 +2,9 @@
 
 `load_config("configs/tiny_cpu.yaml", ["optim.lr=3e-4"])` returns a validated `Config`; every
 error is a `ConfigError` naming the key and the file (`loading`). The sections and the meaning
-of every field are in `sections`.
+of every field are in `sections` (`algorithm.name` selects the preset of the `algorithm.*` keys
+left unset: `sections.algorithm_preset`); which keys may change when a run folder is resumed
+is in `compare`.
 """
 
 from jfp8rl.config.checks import ConfigError

@@ -33,6 +33,9 @@ def test_complete_changed_extended_and_fresh(
     run_dir, whole = tmp_path / "run", tmp_path / "whole"
     assert main(_argv(run_dir, cache_dir, "train.steps=2")) == 0
     capsys.readouterr()
+    # The run folder's config.yaml is what --print-config prints for the same command.
+    assert main([*_argv(run_dir, cache_dir, "train.steps=2"), "--print-config"]) == 0
+    assert capsys.readouterr().out == (run_dir / "config.yaml").read_text()
 
     # The same command again: complete, nothing rewritten.
     before = _snapshot(run_dir)
