@@ -35,7 +35,10 @@ tables follow:
              next to the measured seconds per step of `generate`;
 
 and the lines `rollout_throughput: embedded bf16 = ...x` (target >= 1.2) and
-`rollout_throughput: scoring = ...x` (target >= 1.0).
+`rollout_throughput: scoring = ...x` (target >= 1.0). The rows `embedded/<recipe>-exact` are
+the same engines with batch-invariant numerics (`rollout.on_policy: exact`, `models.invariant`),
+and `rollout_throughput: embedded <recipe> exact = ...x vllm/fp32, ...x the fast engine` says
+what the bit-identity costs.
 
     .venv/bin/python benchmarks/rollout_throughput.py [--batch 64] [--new-tokens 32]
         [--repeats 3] [--skip-vllm] [--model DIR] [--prompt-len 16]
@@ -139,11 +142,13 @@ def _real_model(args: argparse.Namespace, prompts: list[list[int]]) -> None:
     seqs = [p + rng.integers(0, cfg.vocab_size, args.new_tokens).tolist() for p in prompts]
     tokens = args.batch * args.new_tokens
     overrides = {"compute_dtype": jnp.float32}
+    exact = {**overrides, "batch_invariant": True}  # rollout.on_policy: exact's numerics
     backends: dict[str, RolloutBackend] = {
-        f"embedded/{recipe}": EmbeddedBackend.from_hf_dir(
-            model_dir, recipe=recipe, config_overrides=overrides, max_len=1024
+        f"embedded/{recipe}{tag}": EmbeddedBackend.from_hf_dir(
+            model_dir, recipe=recipe, config_overrides=o, max_len=1024
         )
         for recipe in ("fp8_block", "bf16")
+        for tag, o in (("", overrides), ("-exact", exact))
     }
     # Every backend is up at once and timed round-robin (`interleaved_median_seconds`), so a
     # load that comes and goes on a shared machine falls on all of them alike.
@@ -172,7 +177,9 @@ def _real_model(args: argparse.Namespace, prompts: list[list[int]]) -> None:
     for recipe in ("fp8_block", "bf16"):
         engine = backends[f"embedded/{recipe}"]
         splits[recipe] = decode_split(engine, len(batch.prompt), batch.cache_len, args.repeats)
-        engine.close()
+    for name, b in backends.items():
+        if name.startswith("embedded/"):
+            b.close()
     scored = sum(len(s) for s in seqs)
     _print_table(
         f"rollout throughput ({model_dir.name}, f32 compute): {args.batch} prompts x "
@@ -197,6 +204,11 @@ def _real_model(args: argparse.Namespace, prompts: list[list[int]]) -> None:
                   f"vllm/fp32 tokens/s (target >= {target})")  # fmt: skip
         print(f"rollout_throughput: scoring = {score['vllm/fp32'] / score['embedded/fp8_block']:.2f}x "
               "vllm/fp32 prompt_logprobs tokens/s (embedded fp8_block; target >= 1.0)")  # fmt: skip
+        for recipe in ("fp8_block", "bf16"):
+            e = gen[f"embedded/{recipe}-exact"]
+            print(f"rollout_throughput: embedded {recipe} exact = {ref / e:.2f}x vllm/fp32, "
+                  f"{gen[f'embedded/{recipe}'] / e:.2f}x the fast engine tokens/s "
+                  "(target >= 1.0 vllm)")  # fmt: skip
 
 
 def main() -> None:
