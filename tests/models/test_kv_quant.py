@@ -70,7 +70,8 @@ def test_fp8_cache_decoding_equals_float64_reference_model():
     scales = calibrate(graphdef, params, tokens[:, :6], mask[:, :6], recipe=recipe)
     cache = decoding.init_cache(cfg, 2, 10, kv_cache_dtype="fp8", kv_scales=scales)
     last, cache = prefill(graphdef, params, tokens[:, :6], mask[:, :6], cache, recipe=recipe)
-    real = np.asarray(mask[:, :6], bool)[None, :, None, :, None]
+    # The cache is written by position: slot s of a row holds its position s.
+    real = np.asarray(cache.mask[:, :6], bool)[None, :, None, :, None]
     for c in (cache.k, cache.v):  # per layer [B, K, S, E]
         top = np.where(real, np.abs(np.stack(c)[:, :, :, :6].astype(np.float64)), 0)
         np.testing.assert_array_equal(top.max(axis=(1, 2, 3, 4)), 448.0)
