@@ -17,6 +17,7 @@ invocations of one run (`RESUMABLE`, prefixes of dotted keys):
                                     which engine samples (embedded or servers), where the
                                     servers are, how they are reached and exports checked
     rollout.max_num_seqs            sequences decoded at once (the samples do not depend on it)
+    rollout.on_policy_check_every   how often the exact on-policy check is logged
     warmstart.cache_dir             where the base policy is cached (its key names the policy)
 """
 
@@ -47,6 +48,7 @@ RESUMABLE = (
     "rollout.timeout_s",
     "rollout.max_retries",
     "rollout.max_num_seqs",
+    "rollout.on_policy_check_every",
     "warmstart.cache_dir",
 )
 
