@@ -301,7 +301,13 @@ def chunked_attention(
 # ----------------------------------------------------------------------------------------------
 
 
-def _rotate_rows(x: Array, shift: Array) -> Array:
+def leading_pads(key_mask: Bool[Array, "B T"]) -> Array:
+    """Pads before each row's first real token (0 for an all-pad row)."""
+    lengths = jnp.sum(key_mask, axis=1, dtype=jnp.int32)
+    return jnp.where(lengths > 0, jnp.argmax(key_mask, axis=1), 0).astype(jnp.int32)
+
+
+def rotate_rows(x: Array, shift: Array) -> Array:
     """y[b, t] = x[b, (t + shift[b]) mod T] along axis 1 (a per-row roll to the left)."""
     t = x.shape[1]
     idx = (jnp.arange(t)[None, :] + shift[:, None]) % t
@@ -340,17 +346,17 @@ def length_masked_attention(
     """
     t = key_mask.shape[1]
     lengths = jnp.sum(key_mask, axis=1, dtype=jnp.int32)
-    first = jnp.where(lengths > 0, jnp.argmax(key_mask, axis=1), 0).astype(jnp.int32)
+    first = leading_pads(key_mask)
     # An all-pad row keeps one (masked-out) key so cuDNN never sees length 0.
     lengths = jnp.maximum(lengths, 1)
     out = jax.nn.dot_product_attention(
-        _rotate_rows(q, first),
-        _rotate_rows(k, first),
-        _rotate_rows(v, first),
+        rotate_rows(q, first),
+        rotate_rows(k, first),
+        rotate_rows(v, first),
         is_causal=True,
         query_seq_lengths=lengths,
         key_value_seq_lengths=lengths,
         implementation=implementation,
     )
-    out = _rotate_rows(out, (t - first) % t)
+    out = rotate_rows(out, (t - first) % t)
     return jnp.where(key_mask[:, :, None, None], out, 0).astype(q.dtype)

@@ -24,7 +24,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from models import fp8, invariant
 from models import kv_quant as kvq
-from models.attention import reference_attention
+from models.attention import leading_pads, reference_attention, rotate_rows
 from models.config import ModelConfig
 from models.decoder import Decoder, unstack_layers
 from models.functional import (
@@ -157,11 +157,11 @@ def prefill(
     fmt = _cache_format(cache, model.cfg.compute_dtype)
     attend = self_attention(model.cfg, attention_mask, fmt, cache.scales)
     key_mask = attention_mask.astype(bool)
-    first = invariant.leading_pads(key_mask)  # rotate rows so position s lands in slot s
+    first = leading_pads(key_mask)  # rotate rows so position s lands in slot s
     start = jnp.zeros_like(first)
 
     def attend_at(i: int, q: Array, k: Array, v: Array, layers: Layers) -> tuple[Array, Layers]:
-        k_pos, v_pos = invariant.rotate_rows(k, first), invariant.rotate_rows(v, first)
+        k_pos, v_pos = rotate_rows(k, first), rotate_rows(v, first)
         return attend(i, q, k, v), _write_layer(layers, i, k_pos, v_pos, cache.scales, start)
 
     h, (k_all, v_all) = model.hidden_states(
@@ -171,7 +171,7 @@ def prefill(
         dot_general_for(model.cfg, recipe),
         carry=(cache.k, cache.v),
     )
-    mask = jnp.zeros_like(cache.mask).at[:, :p].set(invariant.rotate_rows(key_mask, first))
+    mask = jnp.zeros_like(cache.mask).at[:, :p].set(rotate_rows(key_mask, first))
     new_cache = cache._replace(
         k=k_all,
         v=v_all,

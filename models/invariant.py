@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from models.attention import chunked_backward
+from models.attention import chunked_backward, leading_pads, rotate_rows
 
 # Rows below which XLA:CPU's dot kernels change their summation order (measured: M in 2..60
 # differ from M >= 61 for the model's GEMM shapes); 64 leaves a margin.
@@ -236,19 +236,6 @@ def _aligned_bwd(chunk, res, dout):
 
 
 _aligned.defvjp(_aligned_fwd, _aligned_bwd)
-
-
-def leading_pads(key_mask: Bool[Array, "B T"]) -> Int[Array, " B"]:
-    """Pads before each row's first real token (0 for an all-pad row)."""
-    lengths = jnp.sum(key_mask, axis=1, dtype=jnp.int32)
-    return jnp.where(lengths > 0, jnp.argmax(key_mask, axis=1), 0).astype(jnp.int32)
-
-
-def rotate_rows(x: Array, shift: Int[Array, " B"]) -> Array:
-    """y[b, t] = x[b, (t + shift[b]) mod T] along axis 1 (a per-row roll to the left)."""
-    t = x.shape[1]
-    idx = (jnp.arange(t)[None, :] + shift[:, None]) % t
-    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def exact_attention(

@@ -60,16 +60,22 @@ def engine_rollout(cfg, gd, params, recipe, prompts, new, temperature, cache_len
     return [prompts[s] for s in source], np.asarray(toks)[:, :new], np.asarray(lps)[:, :new]
 
 
-def trainer_logprobs(gd, params, recipe, prompts, toks, temperature, pad_left, micro):
-    """token_logprobs over [pads][prompt][response][pads] rows in micro-batches of `micro`."""
+def trainer_rows(prompts, toks, pad_left):
+    """(tokens, mask, P) of [pads][prompt][response][pads] rows, prompts ending at column P."""
     new = toks.shape[1]
     p_max = max(len(p) for p in prompts) + pad_left
-    t = p_max + new + 3
-    seq = np.zeros((len(prompts), t), np.int32)
+    seq = np.zeros((len(prompts), p_max + new + 3), np.int32)
     mask = np.zeros_like(seq)
     for b, p in enumerate(prompts):
         seq[b, p_max - len(p) : p_max], mask[b, p_max - len(p) : p_max] = p, 1
         seq[b, p_max : p_max + new], mask[b, p_max : p_max + new] = toks[b], 1
+    return seq, mask, p_max
+
+
+def trainer_logprobs(gd, params, recipe, prompts, toks, temperature, pad_left, micro):
+    """token_logprobs over [pads][prompt][response][pads] rows in micro-batches of `micro`."""
+    seq, mask, p_max = trainer_rows(prompts, toks, pad_left)
+    new = toks.shape[1]
     out = []
     for i in range(0, len(prompts), micro):
         lp = token_logprobs(

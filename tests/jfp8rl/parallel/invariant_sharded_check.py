@@ -33,14 +33,8 @@ def main(recipe_name: str) -> None:
     mesh = make_mesh(2, 2, 1)
     layout = param_layout(mesh, cfg, params)
     sharded = jax.device_put(jax.tree.map(np.asarray, params), layout.params())
+    seq, mask, p_max = ti.trainer_rows(src, toks, 1)
     new = toks.shape[1]
-    p_max = max(len(p) for p in src) + 1
-    t = p_max + new + 3
-    seq = np.zeros((len(src), t), np.int32)
-    mask = np.zeros_like(seq)
-    for b, p in enumerate(src):
-        seq[b, p_max - len(p) : p_max], mask[b, p_max - len(p) : p_max] = p, 1
-        seq[b, p_max : p_max + new], mask[b, p_max : p_max + new] = toks[b], 1
     batch = put_batch({"tokens": seq, "attention_mask": mask}, mesh)
     fn = jax.jit(F.token_logprobs, static_argnums=0, static_argnames=("recipe", "temperature"))
     with jax.set_mesh(mesh):
