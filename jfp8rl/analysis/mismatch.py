@@ -74,6 +74,7 @@ from models import functional as mf
 from models.fp8 import RECIPES, Recipe, get_recipe
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.engine.params import kernel_paths, node
+from rollout_bridge.engine.programs import install_kernels
 
 # The pairings of the study: (rollout recipe, trainer recipe).
 PAIRINGS: tuple[tuple[str, str], ...] = (
@@ -178,30 +179,33 @@ def requantization_drift(cfg: Any, params: Any, recipe: Recipe) -> dict[str, flo
     """What the block recipe's FP8 weight push does to the weights the engine computes with.
 
     The push exports each decoder kernel as (q, s) = `fp8.quantize_weight` (the trainer's
-    quantizer), so q * s is exactly the trainer's operand; the engine expands it and quantizes
-    it again with the same recipe on install. The second quantization computes its scale from
-    amax = 448 * s, and amax * (1/448) is not always s: returns the share of block scales that
-    move and of weight values that change (the rest of each moved block changes by one f32 ulp
-    of its scale), with `exact_export` 1.0 when q * s equals the trainer's operand everywhere."""
-    tile = fp8.weight_tile(recipe)
+    quantizer), so q * s is exactly the trainer's operand. `installed_exact` is the share of
+    layers whose kernel the engine installs (`programs.install_kernels`) equal to the trainer's
+    operand everywhere (1.0: the engine installs q * s as it is). The other two shares say what
+    quantizing the push again would do instead (its scale re-derived from amax = 448 * s, and
+    amax * (1/448) is not always s): the share of block scales that would move and of weight
+    values that would change."""
+    tile = fp8.weight_tile(recipe)  # square blocks: the same tile on the [in, out] kernel
     n_w = n_w_moved = n_s = n_s_moved = exact = layers = 0
     for path in kernel_paths(cfg):
         w = node(params, path).get_value()
         for w_l in w.reshape(-1, *w.shape[-2:]):  # per layer: [in, out]
             operand = fp8.fake_quantize_weight(w_l, recipe)
             q, s = fp8.quantize_weight(w_l.T, recipe)
-            served = fp8.dequantize(q, s, tile).T
-            again = fp8.fake_quantize_weight(served, recipe)
+            pushed = fp8.StoredFP8Weight(q.T, s.T, tile)
+            installed = install_kernels({"w": pushed}, recipe=recipe, dtype=jnp.float32)["w"]
+            w_pushed = fp8.dense_weights(pushed)
+            again = fp8.fake_quantize_weight(w_pushed, recipe)
             n_w += operand.size
             n_w_moved += int(jnp.sum(again != operand))
             n_s += s.size
-            n_s_moved += int(jnp.sum(fp8.quantize_weight(served.T, recipe)[1] != s))
-            exact += int(bool(jnp.all(served == operand)))
+            n_s_moved += int(jnp.sum(fp8.quantize_weight(w_pushed.T, recipe)[1] != s))
+            exact += int(bool(jnp.all(installed == operand)))
             layers += 1
     return {
-        "scales_moved_share": n_s_moved / max(n_s, 1),
-        "weights_changed_share": n_w_moved / max(n_w, 1),
-        "exact_export": exact / max(layers, 1),
+        "installed_exact": exact / max(layers, 1),
+        "requantize_scales_moved_share": n_s_moved / max(n_s, 1),
+        "requantize_weights_changed_share": n_w_moved / max(n_w, 1),
     }
 
 
@@ -274,7 +278,11 @@ class Prepared:
         t = self.t
         if recipe.name not in self.fns:
             settings, opt = step_settings(t.cfg)
-            settings = settings._replace(train_recipe=recipe, calibrated=False)
+            # The recompute is what is measured, also where the run itself would take the
+            # rollout's log-probs (`rollout.on_policy: exact`).
+            settings = settings._replace(
+                train_recipe=recipe, calibrated=False, old_logp_from_rollout=False
+            )
             layout = mesh_lib.param_layout(t.mesh, t.policy.cfg, self.state["params"])
             fns = make_step_fns(t.policy.graphdef, settings, opt, layout)
             self.fns[recipe.name] = dataclasses.replace(t, fns=fns, settings=settings)
@@ -374,10 +382,10 @@ def run_mismatch(
         f"{time.perf_counter() - t0:.0f} s"
     )
     header += (
-        f"\n\nfp8_block weight push, re-quantized by the engine on install: "
-        f"{drift['scales_moved_share']:.3f} of block scales move, "
-        f"{drift['weights_changed_share']:.3f} of weight values change "
-        f"(export q * s equal to the trainer's operand in {drift['exact_export']:.3f} of layers)"
+        f"\n\nfp8_block weight push: the engine installs the trainer's operand bit for bit in "
+        f"{drift['installed_exact']:.3f} of layers (quantizing the push again instead would move "
+        f"{drift['requantize_scales_moved_share']:.3f} of block scales and change "
+        f"{drift['requantize_weights_changed_share']:.3f} of weight values)"
     )
     (out / "requantization.json").write_text(json.dumps(drift, indent=1) + "\n")
     (out / "mismatch.json").write_text(json.dumps(rows, indent=1) + "\n")

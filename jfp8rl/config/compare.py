@@ -10,6 +10,9 @@ invocations of one run (`RESUMABLE`, prefixes of dotted keys):
     train.eval_every, eval.*        when and how the greedy eval runs (it changes no weights)
     train.max_nonfinite             how many skipped updates in a row stop the run
     train.jax_cache_dir             the compilation cache
+    train.mesh.*                    the device mesh: the state is restored into the current
+                                    mesh's shardings (the math is the same up to the order of
+                                    sharded sums), so a run may move to more or fewer devices
     checkpoint.*                    save cadence, how many are kept, final export, resume check
     logging.*                       console, TensorBoard, rollout dumps
     rollout.backend, rollout.url, rollout.urls, rollout.api_key, rollout.export_root,
@@ -36,6 +39,7 @@ RESUMABLE = (
     "train.eval_every",
     "train.max_nonfinite",
     "train.jax_cache_dir",
+    "train.mesh.",
     "eval.",
     "checkpoint.",
     "logging.",

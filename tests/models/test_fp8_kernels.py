@@ -159,6 +159,29 @@ def test_pallas_fwd_dgrad_wgrad_equal_emulate(m, k, n, bwd_format, pow2):
         assert _rel(o, r) <= F32_REL, (name, _rel(o, r))
 
 
+@functools.partial(jax.jit, static_argnames="recipe")
+def _forward(x, w, *, recipe):
+    return fp8.fp8_dot_general(x, w, LINEAR_DN, recipe=recipe)
+
+
+def test_pallas_rows_do_not_depend_on_the_batch():
+    """Exact on-policy rollouts need a token's GEMM row to come out the same whatever else is
+    in the batch: a decode step (a few rows) and the trainer's forward (many rows) must agree
+    bit for bit. The kernel has this by construction (one CTA per output tile, a fixed K loop,
+    no split-K; rows padded to the CTA tile): each output row is the same sequence of f32
+    operations on that row alone. Decode-shaped (1, 3 and 64 rows) and prefill-shaped
+    (200 rows) operands against the rows of the whole, `==`."""
+    rng = _rng(11)
+    x = jnp.asarray(rng.standard_normal((200, 300)), jnp.float32)
+    x = x * jnp.asarray(2.0 ** rng.uniform(-4, 4, (200, 1)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((300, 72)) * 300**-0.5, jnp.float32)
+    recipe = fp8.get_recipe("fp8_block", backend="pallas")
+    whole = np.asarray(_forward(x, w, recipe=recipe))
+    for rows in (slice(0, 1), slice(197, 200), slice(64, 128)):
+        part = np.asarray(_forward(x[rows], w, recipe=recipe))
+        np.testing.assert_array_equal(part, whole[rows])
+
+
 def test_pallas_batched_dot_general_equals_emulate():
     """Leading batch axes (mapped over) through forward, dgrad and wgrad, with the batch and
     contracting axes in non-canonical positions; bf16 operands, bf16 output and gradients."""

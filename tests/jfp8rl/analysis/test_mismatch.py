@@ -102,10 +102,27 @@ def test_on_the_tiny_policy(base_policy_dir, cache_dir, tmp_path) -> None:
             assert row["batch_abs_max"] == 0.0  # batch-invariant at these shapes
         assert row["temperature_k1"] != 0.0  # T = 0.8: scoring at 1 would differ
     drift = json.loads((tmp_path / "requantization.json").read_text())
-    assert drift["exact_export"] == 1.0  # the FP8 export's q * s is the trainer's operand
-    assert 0.0 <= drift["weights_changed_share"] <= 1.0
-    assert 0.0 <= drift["scales_moved_share"] <= 1.0
+    assert drift["installed_exact"] == 1.0  # the engine installs the trainer's operand
+    assert 0.0 <= drift["requantize_weights_changed_share"] <= 1.0
+    assert 0.0 <= drift["requantize_scales_moved_share"] <= 1.0
     bf16 = rows[0]
     # f32 compute without FP8: decode equals the full forward up to summation order.
     assert bf16["decode_abs_max"] < 1e-4
     assert abs(bf16["rollout_corr/kl"]) < 1e-6
+
+
+@pytest.mark.slow
+def test_exact_on_policy_has_no_mismatch(base_policy_dir, cache_dir, tmp_path) -> None:
+    """`rollout.on_policy=exact`: every link of the chain is exactly 0 for both recipes (the
+    engine's decode, the trainer's micro-batches), and so is the trainer's own figure."""
+    from jfp8rl.analysis.mismatch import run_mismatch
+
+    sets = small(tmp_path / "unused", cache_dir, "rollout.temperature=0.8",
+                 "rollout.on_policy=exact", "train.micro_batch_size=4")  # fmt: skip
+    pairings = (("bf16", "bf16"), ("fp8_block", "fp8_block"))
+    rows = run_mismatch(str(TINY), sets, tmp_path, pairings, log=lambda m: None)
+    for row in rows:
+        assert row["tokens"] > 0
+        assert row["rollout_corr/kl"] == 0.0 and row["rollout_corr/k3_kl"] == 0.0, row
+        for name in ("decode", "batch", "recipe"):
+            assert row[f"{name}_abs_max"] == 0.0 and row[f"{name}_exact_share"] == 1.0, name

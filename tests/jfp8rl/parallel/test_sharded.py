@@ -142,7 +142,12 @@ def test_trainer_sharded_micro_batched_resume_exact(jobs, cache_dir: Path, tmp_p
         assert (pa[k] == pb[k]).all(), k
     assert [r["step"] for r in one] == [0, 1, 2]
     for ra, rb in zip(one, full[:3], strict=True):
+        # A share of tokens (`*frac*`) moves by a whole token when a ratio near a clip bound
+        # crosses it: one token of the step's 16 samples is 1/T, one of the negative- or
+        # positive-advantage tokens (`*_of_neg`, `*_of_pos`) about 2/T; two such flips allowed.
+        tokens = 16 * ra["response_length/mean"]
         for k, va in ra.items():
             if k.startswith(TIMING_PREFIXES) or va is None:
                 continue
-            assert abs(va - rb[k]) <= 5e-3 * max(1.0, abs(va)), (ra["step"], k, va, rb[k])
+            tol = 4.5 / tokens if "frac" in k else 5e-3 * max(1.0, abs(va))
+            assert abs(va - rb[k]) <= tol, (ra["step"], k, va, rb[k])
