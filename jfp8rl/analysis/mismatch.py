@@ -255,7 +255,12 @@ def sample(t: Trainer, state: dict[str, Any], recipe: Recipe) -> RolloutBatch:
         weight_version="base", export_format=push_format(r), max_num_seqs=r.max_num_seqs,
         kv_cache_dtype=r.kv_cache_dtype,
     )  # fmt: skip
-    tr = dataclasses.replace(t, backend=backend, cfg=dataclasses.replace(t.cfg, rollout=r))
+    # The trainer's recipe follows (`rollout.on_policy: exact` holds only for equal recipes);
+    # sampling and the push do not use it.
+    train = dataclasses.replace(t.cfg.train, recipe=r.recipe)
+    tr = dataclasses.replace(
+        t, backend=backend, cfg=dataclasses.replace(t.cfg, rollout=r, train=train)
+    )
     try:
         stage_sync(tr, state, 0)
         batch, _ = stage_rollout(tr, Progress(), 1)
