@@ -302,8 +302,9 @@ def run(
     """Runs (or resumes) the RL loop of `cfg`; returns the run summary (also summary.json).
 
     `datasets` (train, eval examples) and `reward` replace the config's data and reward when
-    given (`jfp8rl.api`). A run folder whose run is complete is left as it is: one line says
-    so and how to extend it, and the summary has `complete: True`."""
+    given (`jfp8rl.api`). A run folder whose run is complete (its last checkpoint and its
+    summary.json written) is left as it is: one line says so and how to extend it, and the
+    summary has `complete: True`."""
     t_start = time.perf_counter()
     out = stream or sys.stdout
     console = cfg.logging.console != "none" and distributed.is_main()
@@ -317,7 +318,9 @@ def run(
     datasets = datasets if datasets is not None else load_datasets(cfg)
     run_dir, steps = Path(cfg.run_dir), cfg.train.steps
     latest = resume_point(cfg, run_dir, resume)
-    if latest is not None and latest >= steps:
+    # A run stopped after its last checkpoint but before its summary (the final export did
+    # not finish) resumes there and writes them; only a run with both is complete.
+    if latest is not None and latest >= steps and (run_dir / "summary.json").is_file():
         if distributed.is_main():
             print(
                 f"{run_dir} is complete (step {latest} of {steps}); to train it further, rerun "
