@@ -34,7 +34,6 @@ from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.weights.kv_scales import kv_scale_tensors
 
 
-
 def _cpu_has_fp8_kv() -> bool:
     """Whether this CPU has what vLLM's CPU build needs for an FP8 KV cache (AVX-512 or
     AMX); without it `vllm serve --kv-cache-dtype fp8` refuses to start."""
