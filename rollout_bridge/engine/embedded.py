@@ -152,6 +152,7 @@ class EmbeddedBackend(RolloutBackend):
             else self.recipe
         )
         self._kv = KVCacheScales(kv_cache_dtype, graphdef, self._forward_recipe)
+        self._lock = threading.Lock()
         # Own buffers: the trainer donates its train-state params to its update, and a
         # `device_put` to the same placement returns the same buffers, so holding the caller's
         # arrays could leave the engine with deleted ones. None: no weights until a push.
@@ -170,7 +171,6 @@ class EmbeddedBackend(RolloutBackend):
         )
         self.export_format = export_format or default_export_format(self.recipe)
         self._version = weight_version
-        self._lock = threading.Lock()
         self._closed = False
 
     @classmethod
@@ -391,10 +391,14 @@ class EmbeddedBackend(RolloutBackend):
         )
         tensors, pushed = split_kv_scales(tensors, self.cfg.num_layers)
         served = engine_params.served_params(self.cfg, tensors, manifest.get("quantization_config"))
-        params = engine_params.install(served, self.cfg, self.recipe)
-        scales = self._kv.for_install(params, pushed)
+        del tensors
+        # The previous weights go before the new ones are built (under the lock: no decode
+        # runs meanwhile), so the engine never holds two installs at once.
         with self._lock:
-            self._params, self._kv.scales = params, scales
+            self._params, self._kv.scales = None, None
+            params = engine_params.install(served, self.cfg, self.recipe)
+            del served
+            self._params, self._kv.scales = params, self._kv.for_install(params, pushed)
             if version is not None:
                 self._version = version
 
@@ -407,9 +411,12 @@ class EmbeddedBackend(RolloutBackend):
 
     @params.setter
     def params(self, params: Any | None) -> None:
-        installed = None if params is None else engine_params.install(params, self.cfg, self.recipe)
-        scales = None if installed is None else self._kv.for_install(installed, None)
-        self._params, self._kv.scales = installed, scales
+        with self._lock:
+            self._params, self._kv.scales = None, None
+            if params is not None:
+                installed = engine_params.install(params, self.cfg, self.recipe)
+                self._params = installed
+                self._kv.scales = self._kv.for_install(installed, None)
 
     @property
     def kv_scales(self) -> KVScales | None:

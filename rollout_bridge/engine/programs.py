@@ -145,7 +145,6 @@ def score_ranks(
 calibrate = jax.jit(calibrate_kv_scales, static_argnums=0, static_argnames="recipe")
 
 
-@functools.partial(jax.jit, static_argnames=("recipe", "dtype"))
 def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> dict[Any, Any]:
     """Linear kernels [L, in, out] (f32 / bf16 arrays or `models.fp8.StoredFP8Weight`) -> the
     exact operands the forward multiplies with, per layer (`models.decoder.PerLayer`; a kernel
@@ -154,28 +153,39 @@ def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> d
     (the unquantized recipe). Same values as computing them in every decode step, so logits
     are unchanged bit for bit (tested).
 
+    Built one layer at a time (`install_layer`): the install holds its input and its output,
+    never a stacked copy of the output beside its slices.
+
     A stored FP8 weight whose tiles and format are the recipe's own (a block-FP8 push of the
     trainer's weights under the same recipe) is installed as `q * s`, the trainer's operand
     itself: re-quantizing it would re-derive each scale as `fl(448 s) * (1/448)`, which can
     move s by one ulp."""
-    tile = fp8.operand_tile(2, -2, recipe.weight_granularity, "weight", recipe.block_size)
-
-    def layer(w: Any) -> Array:  # one layer's kernel [in, out]
-        if isinstance(w, fp8.StoredFP8Weight) and recipe.quantized and own_operand(w, recipe, tile):
-            return fp8.dense_weights(w)
-        w = fp8.dense_weights(w)
-        return fp8.fake_quantize_weight(w, recipe) if recipe.quantized else w.astype(dtype)
 
     def one(w: Any) -> Any:
-        ndim = (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim
-        if ndim == 2:
-            return layer(w)
-        f = layer
-        for _ in range(ndim - 2):  # per layer: a tensor-wise scale must not span layers
-            f = jax.vmap(f)
-        return PerLayer.of(f(w))
+        lead = (w.q if isinstance(w, fp8.StoredFP8Weight) else w).shape[:-2]
+        if not lead:
+            return install_layer(w, recipe=recipe, dtype=dtype)
+        return PerLayer(
+            tuple(
+                install_layer(jax.tree.map(lambda x, i=i: x[i], w), recipe=recipe, dtype=dtype)
+                for i in range(lead[0])
+            )
+        )
 
     return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))
+
+
+@functools.partial(jax.jit, static_argnames=("recipe", "dtype"))
+def install_layer(w: Any, *, recipe: Recipe, dtype: Any) -> Array:
+    """One layer's kernel [..., in, out] -> its operand (`install_kernels`); leading axes
+    (a layer's experts) are mapped over, each matrix quantized on its own."""
+    if (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim > 2:
+        return jax.vmap(functools.partial(install_layer, recipe=recipe, dtype=dtype))(w)
+    tile = fp8.operand_tile(2, -2, recipe.weight_granularity, "weight", recipe.block_size)
+    if isinstance(w, fp8.StoredFP8Weight) and recipe.quantized and own_operand(w, recipe, tile):
+        return fp8.dense_weights(w)
+    w = fp8.dense_weights(w)
+    return fp8.fake_quantize_weight(w, recipe) if recipe.quantized else w.astype(dtype)
 
 
 def own_operand(w: fp8.StoredFP8Weight, recipe: Recipe, tile: tuple[int | None, ...]) -> bool:

@@ -421,6 +421,39 @@ def test_default_export_folder_keeps_one_version_and_close_removes_it(model):
         eng.generate([[1]], SamplingParams(max_tokens=1))
 
 
+def _live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays() if not x.is_deleted())
+
+
+def test_engine_holds_one_install_after_several_pushes(model, monkeypatch):
+    """The engine drops its previous weights before it installs new ones: when an install
+    starts, the previous one is no longer alive (live device buffers, `jax.live_arrays`: only
+    the pushed export's params beside what was there before any push), and after 4 pushes
+    the engine holds what it held after 1, one install's bytes."""
+    from rollout_bridge.engine import params as engine_params
+
+    cfg, graphdef, params, hf = model
+    eng = EmbeddedBackend(cfg, graphdef, None, eos_id=EOS, export_format="fp8")
+    base = _live_bytes()
+    at_install = []
+    real_install = engine_params.install
+
+    def install(served, *args, **kwargs):
+        at_install.append(_live_bytes() - base - sum(x.nbytes for x in jax.tree.leaves(served)))
+        return real_install(served, *args, **kwargs)
+
+    monkeypatch.setattr(engine_params, "install", install)
+    eng.push_weights(hf, "v1")
+    one = _live_bytes()
+    installed = sum(x.nbytes for x in jax.tree.leaves(eng.params))
+    assert one - base == installed > 0
+    for k in range(2, 5):
+        eng.push_weights(hf, f"v{k}")
+    assert _live_bytes() == one
+    assert at_install == [0, 0, 0, 0]  # nothing but the served export at each install's start
+    eng.close()
+
+
 @pytest.mark.parametrize(
     ("recipe", "fmt"),
     [("fp8_block", None), ("fp8_block", "fp8"), ("fp8_tensor", None), ("bf16", None)],
