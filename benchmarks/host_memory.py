@@ -3,6 +3,7 @@ qwen3_0.6b, 2 prompts x 4 samples x 16 tokens, 2 steps).
 
     python benchmarks/host_memory.py                      # qwen3_0.6b, the target's run
     python benchmarks/host_memory.py --preset tiny_qwen3  # seconds, for development
+    python benchmarks/host_memory.py --steps 6            # is the resident set flat?
 
 Builds the random HF folder once (scripts/make_random_hf.py, cached under --work), then runs
 
@@ -14,7 +15,11 @@ Builds the random HF folder once (scripts/make_random_hf.py, cached under --work
 in a fresh run folder with JFP8RL_DEBUG_MEMORY=1, so the trainer logs its RSS at every stage
 boundary (`memory: <stage> rss X GiB peak Y GiB`, jfp8rl/observe/memory.py). Prints those lines, then
 `host_memory: <preset> peak RSS X.XX GB (target 14 GB) ...` from `/usr/bin/time -v`'s maximum
-resident set size (GB = 1e9 bytes). `--extra data.eval_size=8` cuts
+resident set size (GB = 1e9 bytes). With `--steps N` (N > 2) it also prints a table of the
+resident set at each stage boundary (rollout, prepare, update, sync, ...) of every step and
+`host_memory: steady ... spread X.XX GiB (target 0.25 GiB)`: the largest difference between
+steps 2..N at the same stage; a leak (anything kept alive from one step into the next) grows
+it step by step. `--extra data.eval_size=8` cuts
 the two greedy evals (256 prompts, slow at 0.6B on a CPU) without
 changing the peak: the eval generates in chunks of data.batch_size x rollout.n prompts, the
 rollout's own size. Refuses to start when the machine
@@ -46,10 +51,31 @@ RUN_OVERRIDES = (
     "rollout.n=4",
     "rollout.max_tokens=16",
     "rollout.dynamic_sampling=false",
-    "train.steps=2",
     "train.mini_batches=2",
     "train.ppo_epochs=1",
 )
+MEMORY_LINE = re.compile(r"memory: (?P<stage>[a-z]+) (?P<step>\d+) rss (?P<rss>[\d.]+) GiB")
+STEADY_TARGET_GIB = 0.25
+
+
+def stage_table(stdout: str, steps: int) -> tuple[str, float]:
+    """(markdown table of the resident set per stage and step, the largest spread over
+    steps 2..N of one stage), from the trainer's `memory: <stage> <step> rss X GiB` lines."""
+    rss: dict[str, dict[int, float]] = {}
+    for m in MEMORY_LINE.finditer(stdout):
+        rss.setdefault(m["stage"], {})[int(m["step"])] = float(m["rss"])
+    cols = list(range(1, steps + 1))
+    lines = ["| stage | " + " | ".join(f"step {c}" for c in cols) + " | spread 2..N |",
+             "|---|" + "---|" * (len(cols) + 1)]  # fmt: skip
+    worst = 0.0
+    for stage, by_step in rss.items():
+        later = [by_step[c] for c in cols[1:] if c in by_step]
+        spread = max(later) - min(later) if len(later) > 1 else 0.0
+        if len(later) == steps - 1:
+            worst = max(worst, spread)
+        cells = [f"{by_step[c]:.2f}" if c in by_step else "" for c in cols]
+        lines.append(f"| {stage} | " + " | ".join(cells) + f" | {spread:.2f} |")
+    return "\n".join(lines), worst
 
 
 def available_gb() -> float:
@@ -107,6 +133,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="keep this many layers (0: all)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "host_memory"))
     ap.add_argument("--extra", nargs="*", default=[], help="more dotted overrides")
+    ap.add_argument("--steps", type=int, default=2, help="GRPO steps (> 2: the steady table)")
     ap.add_argument("--target-gb", type=float, default=14.0)
     ap.add_argument("--min-available-gb", type=float, default=18.0)
     ap.add_argument("--kill-above-gb", type=float, default=17.0)
@@ -125,7 +152,8 @@ def main() -> int:
         return 3
     run_dir = work / f"run_{name}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [f"model.path={folder}", f"run_dir={run_dir}", *RUN_OVERRIDES, *a.extra]
+    overrides = [f"model.path={folder}", f"run_dir={run_dir}", *RUN_OVERRIDES,
+                 f"train.steps={a.steps}", *a.extra]  # fmt: skip
     cmd = [
         "/usr/bin/time", "-v", "nice", "-n", "10", sys.executable, "-m", "jfp8rl.train",
         "--config", str(ROOT / "configs" / "tiny_cpu.yaml"), *overrides,
@@ -143,6 +171,15 @@ def main() -> int:
     if rc:
         print(stderr[-3000:])
     ok = rc == 0 and peak_gb <= a.target_gb
+    if a.steps > 2:
+        table, spread = stage_table(stdout, a.steps)
+        print("resident set (GiB) at each stage boundary:\n" + table)
+        steady = spread <= STEADY_TARGET_GIB
+        print(
+            f"host_memory: steady {name} steps 2..{a.steps} same-stage spread {spread:.2f} GiB "
+            f"(target {STEADY_TARGET_GIB} GiB): {'met' if steady else 'NOT met'}"
+        )
+        ok = ok and steady
     print(
         f"host_memory: {name} peak RSS {peak_gb:.2f} GB (target {a.target_gb:g} GB) "
         f"exit {rc} wall {wall:.0f} s: {'met' if ok else 'NOT met'}"
