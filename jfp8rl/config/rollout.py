@@ -145,6 +145,9 @@ class RolloutConfig:
         check_positive("rollout", "temperature", self.temperature)
         check_positive("rollout", "max_rounds", self.max_rounds, allow_zero=True)
         check_choice("rollout", "max_staleness", self.max_staleness, MAX_STALENESS)
+        # YAML reads a bare `off` as false, which the str field holds as "False".
+        if self.on_policy in ("False", "false"):
+            self.on_policy = "off"
         check_choice("rollout", "on_policy", self.on_policy, ON_POLICY)
         check_positive(
             "rollout", "on_policy_check_every", self.on_policy_check_every, allow_zero=True

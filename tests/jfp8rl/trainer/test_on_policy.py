@@ -115,3 +115,13 @@ def _batch(prompts, toks, lps) -> dict[str, np.ndarray]:
         "response_mask": np.ones((n, r), np.float32),
         "rollout_logp": lps.astype(np.float32),
     }
+
+
+def test_off_spelled_bare_in_yaml_and_on_the_command_line(tmp_path: Path) -> None:
+    """YAML reads a bare `off` as false: both spellings still mean "off"."""
+    text = TINY.read_text() + "\n"
+    conf = tmp_path / "c.yaml"
+    conf.write_text(text.replace("rollout:\n", "rollout:\n  on_policy: off\n", 1))
+    assert load_config(conf).rollout.on_policy == "off"
+    assert load_config(TINY, ["rollout.on_policy=off"]).rollout.on_policy == "off"
+    assert load_config(conf, ["rollout.on_policy=exact"]).rollout.on_policy == "exact"
