@@ -383,7 +383,7 @@ def run_mismatch(
         f"mismatch: {config} {' '.join(overrides)}; one rollout batch per rollout recipe, "
         f"{cfg.data.batch_size} prompts x {r.n} samples, max_tokens {r.max_tokens}, "
         f"temperature {r.temperature}, compute dtype {jnp.dtype(t.policy.cfg.compute_dtype).name}, "
-        f"push format {r.export_format or 'the recipe default'}, kv cache {r.kv_cache_dtype}; "
+        f"push format {push_format(r) or 'the recipe default'}, kv cache {r.kv_cache_dtype}; "
         f"{time.perf_counter() - t0:.0f} s"
     )
     header += (
