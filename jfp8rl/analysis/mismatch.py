@@ -39,9 +39,12 @@ samples. `temperature_k1` is what scoring at temperature 1 instead would add (th
 forward of recipe S at temperature 1 against the same at T; 0 when T is 1). Other sources are
 whole runs of the command with one setting changed, so the rows of the runs compare like with
 like: the compute dtype (`model.compute_dtype=bfloat16`), the weight-push format
-(`rollout.export_format=fp32` against the block recipe's default FP8 checkpoint, which the
-engine re-quantizes on install), and power-of-two scales (`RECIPE+pow2` in a pairing, both
-sides). `requantization_drift` measures the weight side of the push directly.
+(`rollout.export_format=fp32` against the block recipe's default FP8 checkpoint, whose
+norms and embeddings travel in bf16), power-of-two scales (`RECIPE+pow2` in a pairing, both
+sides) and exact on-policy rollouts (`rollout.on_policy=exact`: batch-invariant numerics on both
+sides, every term 0). `requantization_drift` measures the weight side of the push directly.
+The trainer's old log-probs are always recomputed here, also where the run itself would take
+the rollout's.
 """
 
 from __future__ import annotations
