@@ -5,15 +5,13 @@ default: W8A8 with 128 x 128 weight blocks and 1 x 128 activation tiles, as vLLM
 block checkpoints).
 
 Generation, one jitted call (`programs.generate_rows`) per chunk of at most `max_num_seqs`
-rows (the prompts x n samples of a `generate`, prompt-major, as padded batches: `batching`);
-`prefill` fills the KV cache and gives the first next-token logits (once per distinct prompt
-of the chunk: its n samples copy that cache row, as vLLM's parallel sampling shares the
-prompt's KV blocks), then a `lax.while_loop`
-runs `decode_step` + sampling until every row has finished (stop/eos token or its max_tokens)
-or the step budget is spent. Every sampling knob is a traced per-row array, so RL steps with
-similar shapes reuse one executable. The sampling rules and the logprob convention are those of
-`sampling`: the logprob of each sampled token is that of the distribution actually sampled
-from; greedy (temperature 0) gives the argmax and its raw logprob.
+rows (a `generate`'s prompts x n samples, prompt-major, padded: `batching`): `prefill` fills
+the KV cache once per distinct prompt (its n samples copy that row, as vLLM's parallel
+sampling shares the prompt's KV blocks), then a `lax.while_loop` runs `decode_step` + sampling
+until every row has stopped (stop/eos token or its max_tokens). Every sampling knob is a traced
+per-row array, so steps of similar shapes reuse one executable. Sampling and the logprob
+convention are `sampling`'s: a sampled token's logprob is that of the distribution actually
+sampled from; greedy (temperature 0) gives the argmax and its raw logprob.
 
 Weights. `push_weights(hf_state, version)` goes the way an external server's weights go:
 `rollout_bridge.export.export_weights` writes the rollout format into the shared-memory export
@@ -32,11 +30,10 @@ engine's latest generation under the new weights (`models.kv_calibration`, amax 
 before any generation the first call calibrates on its own prompts before it decodes. So no
 generation runs on the scales of older weights, nor on vLLM's default 1.0.
 
-How close the engine is to the trainer's own recipe on the f32 masters: "fp8_fp32" holds the
-trainer's FP8 values exactly (f32 compute: float rounding apart), "fp8" also rounds embeddings,
-norms and biases to bf16 (`tests/rollout_bridge/engine/test_embedded.py` bounds both). With
-bf16 compute the model's `Linear` casts its kernel to bf16 *before* quantizing, so the
-trainer's FP8 weights are Q(bf16(W)) while every export holds Q(W).
+Against the trainer's recipe on the f32 masters: "fp8_fp32" holds the trainer's FP8 values
+exactly, "fp8" also rounds embeddings, norms and biases to bf16 (`tests/rollout_bridge/engine/
+test_embedded.py` bounds both). With bf16 compute the model's `Linear` casts its kernel to
+bf16 *before* quantizing: the trainer's FP8 weights are Q(bf16(W)), every export holds Q(W).
 """
 
 from __future__ import annotations
@@ -392,13 +389,17 @@ class EmbeddedBackend(RolloutBackend):
         tensors, pushed = split_kv_scales(tensors, self.cfg.num_layers)
         served = engine_params.served_params(self.cfg, tensors, manifest.get("quantization_config"))
         del tensors
-        # The previous weights go before the new ones are built (under the lock: no decode
-        # runs meanwhile), so the engine never holds two installs at once.
+        self._install(served, pushed, version)
+
+    def _install(self, served: Any | None, pushed: Any, version: str | None = None) -> None:
+        """Installs `served` (None: no weights). The previous weights go before the new ones
+        are built (under the lock: no decode runs meanwhile), so the engine never holds two
+        installs at once."""
         with self._lock:
             self._params, self._kv.scales = None, None
-            params = engine_params.install(served, self.cfg, self.recipe)
-            del served
-            self._params, self._kv.scales = params, self._kv.for_install(params, pushed)
+            if served is not None:
+                params = engine_params.install(served, self.cfg, self.recipe)
+                self._params, self._kv.scales = params, self._kv.for_install(params, pushed)
             if version is not None:
                 self._version = version
 
@@ -411,12 +412,7 @@ class EmbeddedBackend(RolloutBackend):
 
     @params.setter
     def params(self, params: Any | None) -> None:
-        with self._lock:
-            self._params, self._kv.scales = None, None
-            if params is not None:
-                installed = engine_params.install(params, self.cfg, self.recipe)
-                self._params = installed
-                self._kv.scales = self._kv.for_install(installed, None)
+        self._install(params, None)
 
     @property
     def kv_scales(self) -> KVScales | None:
