@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -68,8 +68,14 @@ class PerLayer:
     def of(cls, stacked: Any) -> PerLayer:
         """The L slices of `stacked` [L, ...]: an array, or a pytree of them (e.g. a
         `models.fp8.StoredFP8Weight`) sliced leaf by leaf."""
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        return cls(tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)))
+        return cls(tuple(layer_slices(stacked)))
+
+
+def layer_slices(stacked: Any) -> Iterator[Any]:
+    """Slice i of `stacked` [L, ...] (an array or a pytree of them, sliced leaf by leaf) for
+    i = 0..L-1, one at a time."""
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        yield jax.tree.map(lambda x, i=i: x[i], stacked)
 
 
 def _is_per_layer(x: object) -> bool:

@@ -77,7 +77,7 @@ from models import functional as mf
 from models.fp8 import RECIPES, Recipe, get_recipe
 from rollout_bridge.engine.embedded import EmbeddedBackend
 from rollout_bridge.engine.params import kernel_paths, node
-from rollout_bridge.engine.programs import install_kernels
+from rollout_bridge.engine.programs import install_layer
 
 # The pairings of the study: (rollout recipe, trainer recipe).
 PAIRINGS: tuple[tuple[str, str], ...] = (
@@ -183,7 +183,7 @@ def requantization_drift(cfg: Any, params: Any, recipe: Recipe) -> dict[str, flo
 
     The push exports each decoder kernel as (q, s) = `fp8.quantize_weight` (the trainer's
     quantizer), so q * s is exactly the trainer's operand. `installed_exact` is the share of
-    layers whose kernel the engine installs (`programs.install_kernels`) equal to the trainer's
+    layers whose kernel the engine installs (`programs.install_layer`) equal to the trainer's
     operand everywhere (1.0: the engine installs q * s as it is). The other two shares say what
     quantizing the push again would do instead (its scale re-derived from amax = 448 * s, and
     amax * (1/448) is not always s): the share of block scales that would move and of weight
@@ -196,7 +196,7 @@ def requantization_drift(cfg: Any, params: Any, recipe: Recipe) -> dict[str, flo
             operand = fp8.fake_quantize_weight(w_l, recipe)
             q, s = fp8.quantize_weight(w_l.T, recipe)
             pushed = fp8.StoredFP8Weight(q.T, s.T, tile)
-            installed = install_kernels({"w": pushed}, recipe=recipe, dtype=jnp.float32)["w"]
+            installed = install_layer(pushed, recipe=recipe, dtype=jnp.float32)
             w_pushed = fp8.dense_weights(pushed)
             again = fp8.fake_quantize_weight(w_pushed, recipe)
             n_w += operand.size

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 from models import decoding, fp8
 from models import functional as mf
 from models.config import ModelConfig
-from models.decoder import PerLayer
+from models.decoder import PerLayer, layer_slices
 from models.fp8 import Recipe
 from models.kv_calibration import calibrate_kv_scales
 from models.kv_quant import KVScales
@@ -162,14 +162,10 @@ def install_kernels(kernels: dict[Any, Any], *, recipe: Recipe, dtype: Any) -> d
     move s by one ulp."""
 
     def one(w: Any) -> Any:
-        lead = (w.q if isinstance(w, fp8.StoredFP8Weight) else w).shape[:-2]
-        if not lead:
+        if (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim == 2:
             return install_layer(w, recipe=recipe, dtype=dtype)
         return PerLayer(
-            tuple(
-                install_layer(jax.tree.map(lambda x, i=i: x[i], w), recipe=recipe, dtype=dtype)
-                for i in range(lead[0])
-            )
+            tuple(install_layer(x, recipe=recipe, dtype=dtype) for x in layer_slices(w))
         )
 
     return jax.tree.map(one, kernels, is_leaf=lambda x: isinstance(x, fp8.StoredFP8Weight))
