@@ -142,6 +142,12 @@ class RolloutBackend(abc.ABC):
     def health(self) -> bool:
         """True when the backend can serve requests now."""
 
+    def release_weights(self) -> None:
+        """Frees the served weights until the next `push_weights` (vLLM's sleep mode, level 2),
+        for a trainer that shares this host's memory and pushes before the next rollout.
+        Default: nothing (a server on hardware of its own keeps them)."""
+        return None
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases the backend's resources (idempotent)."""

@@ -105,6 +105,12 @@ class RolloutConfig:
     # A step that saves a checkpoint starts no rollout ahead, so a resume is exact
     # (jfp8rl.trainer.overlap; docs/rollout.md).
     max_staleness: int = 0
+    # verl's free_cache_engine: the embedded engine drops its weights once the step's rollout
+    # is sampled, and the step's weight sync installs the new ones, so the engine's weights
+    # (a model's size in f32 operands) are not alive beside the trainer's update. Only where
+    # the engine would otherwise sit idle: the embedded backend at max_staleness 0 (at 1 it
+    # samples the next batch during the update; servers keep their weights on their hardware).
+    free_cache_engine: bool = True
     # True on-policy rollouts: "exact" runs the policy with batch-invariant numerics
     # (models.invariant) in the embedded engine and in the trainer, so the engine's sampled-token
     # log-probs equal, bit for bit, what the trainer computes for the same tokens; the trainer

@@ -3,7 +3,8 @@
     rollout     B prompts -> n samples each (`jfp8rl.trainer.rollout.collect`: rewards, DAPO
                 dynamic sampling); with `rollout.max_staleness` 1 the batch started during
                 the previous step, and the next step's batch starts on a worker thread
-                (`jfp8rl.trainer.overlap`)
+                (`jfp8rl.trainer.overlap`); otherwise the embedded engine then drops its
+                weights until the sync (`rollout.free_cache_engine`)
     prepare     `step.prepare`: old logprobs under the training recipe (BF16 shadow on
                 calibration steps), advantages, TIS weights
     update      PPO epochs x mini-batches of `step.update` (calibrated or plain bounds, AdamW)
@@ -26,7 +27,7 @@ import numpy as np
 
 from jfp8rl.config import to_yaml
 from jfp8rl.data.batch import RolloutBatch
-from jfp8rl.observe.memory import log_memory
+from jfp8rl.observe.memory import log_memory, release_free_heap
 from jfp8rl.observe.rollout_dump import write_rollouts
 from jfp8rl.parallel import distributed
 from jfp8rl.parallel import mesh as mesh_lib
@@ -283,6 +284,14 @@ def stage_checkpoint(t: Trainer, state: dict[str, Any], p: Progress, force: bool
     log_memory(t.log, f"checkpoint {p.step}")
 
 
+def stage_free_engine(t: Trainer) -> None:
+    """`rollout.free_cache_engine`: the engine drops its weights until this step's sync, unless
+    it samples the next batch meanwhile (`rollout.max_staleness` 1)."""
+    if t.cfg.rollout.free_cache_engine and t.ahead is None and t.backend is not None:
+        t.backend.release_weights()
+        release_free_heap()  # the decode's freed blocks, before the update allocates
+
+
 def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
     """One RL step, stage by stage (module docstring); advances `p` and `state` in place."""
     p.step += 1
@@ -291,6 +300,7 @@ def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> 
     t_roll = time.perf_counter() - t0
     log_memory(t.log, f"rollout {p.step}")
     stage_start_ahead(t, p, stop_at)
+    stage_free_engine(t)
     t1 = time.perf_counter()
     calibrate = t.is_calibration_step(p.step)
     full, prep = stage_prepare(t, state, batch, calibrate)

@@ -31,8 +31,7 @@ before any generation the first call calibrates on its own prompts before it dec
 generation runs on the scales of older weights, nor on vLLM's default 1.0.
 
 Against the trainer's recipe on the f32 masters: "fp8_fp32" holds the trainer's FP8 values
-exactly, "fp8" also rounds embeddings, norms and biases to bf16 (`tests/rollout_bridge/engine/
-test_embedded.py` bounds both). With bf16 compute the model's `Linear` casts its kernel to
+exactly, "fp8" also rounds embeddings, norms and biases to bf16 (the engine tests bound both). With bf16 compute the model's `Linear` casts its kernel to
 bf16 *before* quantizing: the trainer's FP8 weights are Q(bf16(W)), every export holds Q(W).
 """
 
@@ -94,10 +93,8 @@ class EmbeddedBackend(RolloutBackend):
       cfg: the model config (from `models.config` or `models.hf_io.load_hf`).
       graphdef, params: the NNX split of the policy (`models.functional.init_model`, `load_hf`);
         params are copied, so the caller may donate or delete its own buffers. params=None:
-        no weights until the first `push_weights` / `load_export_dir`; generate / score
-        refuse until then.
-      recipe: rollout recipe name or `Recipe` ("fp8_block" default; "bf16", "fp8_tensor",
-        "fp8_row" too).
+        no weights (generate / score refuse) until the first `push_weights`.
+      recipe: rollout recipe name or `Recipe` ("fp8_block" default, "bf16", "fp8_tensor", ...).
       eos_id: the model's end-of-turn ids, one int or several (`models.tokenizer.stop_token_ids`
         of its folder: the tokenizer's eos and every `eos_token_id` of config.json and
         generation_config.json); generation stops on any of them unless `ignore_eos`, also for
@@ -105,8 +102,7 @@ class EmbeddedBackend(RolloutBackend):
       max_len: longest prompt + response, in tokens (default `cfg.max_position_embeddings`).
       weight_version: version label of `params` ("default", as vLLM reports before any push).
       export_root: where `push_weights` writes its exports (one version is kept). Default: a
-        private folder under `weights.store.default_root()` (shared memory), removed by
-        `close()`.
+        private folder under `weights.store.default_root()` (shared memory), gone at `close()`.
       export_format: the format `push_weights` exports ("fp32" | "bf16" | "fp8" | "fp8_fp32",
         `rollout_bridge.export`). Default: "fp8" (block-FP8 checkpoint format, what a GPU vLLM
         FP8 server receives) for a block-FP8 recipe, "fp32" for any other recipe.
@@ -414,6 +410,10 @@ class EmbeddedBackend(RolloutBackend):
     def params(self, params: Any | None) -> None:
         self._install(params, None)
 
+    def release_weights(self) -> None:
+        """Drops the installed weights and KV scales (the version stays) until the next push."""
+        self._install(None, None)
+
     @property
     def kv_scales(self) -> KVScales | None:
         """The FP8 KV-cache scales of the installed weights (None: none yet, or no FP8 cache)."""
@@ -446,5 +446,5 @@ class EmbeddedBackend(RolloutBackend):
         self._check_open()
         if self.params is None:
             raise RolloutError(
-                "embedded: no weights yet (built with params=None); call push_weights first"
+                "embedded: no weights (none pushed yet, or released); call push_weights first"
             )

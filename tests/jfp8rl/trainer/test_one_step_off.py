@@ -29,6 +29,7 @@ from tiny_run import TINY, small
 from jfp8rl.config import load_config
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main
+from jfp8rl.trainer import stages
 from jfp8rl.trainer.loop import run
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
@@ -128,13 +129,26 @@ def test_server_killed_mid_run_is_dropped_and_the_run_finishes(
 
 
 def test_embedded_engine_samples_ahead_and_starts_as_on_policy(
-    cache_dir: Path, tmp_path: Path
+    cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also `rollout.free_cache_engine` (default on): the on-policy run's engine holds no
+    weights while the trainer updates, the engine sampling ahead keeps them, and the two runs'
+    first steps (the same rollout, then the same update) still agree."""
     ahead, onpolicy = tmp_path / "ahead", tmp_path / "onpolicy"
+    engine_held = []
+    real_update = stages.stage_update
+
+    def update(t, *args, **kwargs):
+        engine_held.append(t.backend.params is not None)
+        return real_update(t, *args, **kwargs)
+
+    monkeypatch.setattr(stages, "stage_update", update)
     common = ("train.eval_every=0", "logging.rollout_samples=16")
     run(load_config(TINY, small(ahead, cache_dir, *common, "rollout.max_staleness=1",
                                 "train.stop_after=2")))  # fmt: skip
+    assert engine_held == [True, True]
     run(load_config(TINY, small(onpolicy, cache_dir, *common, "train.stop_after=2")))
+    assert engine_held == [True, True, False, False]
     recs, base = read_metrics(ahead)[1:], read_metrics(onpolicy)[1:]
     assert [r["rollout/weight_version"] for r in recs] == [0, 0]
     assert [r["rollout/staleness"] for r in recs] == [0, 1]

@@ -454,6 +454,31 @@ def test_engine_holds_one_install_after_several_pushes(model, monkeypatch):
     eng.close()
 
 
+def test_released_weights_are_freed_and_the_next_push_serves_the_same(model):
+    """`release_weights` (the trainer's `rollout.free_cache_engine`) leaves no installed
+    buffer alive (live device bytes back to those before any push), generate and score refuse
+    with a message naming the cure, and the next push of the same weights samples the same
+    tokens with the same logprobs, bit for bit."""
+    cfg, graphdef, params, hf = model
+    eng = EmbeddedBackend(cfg, graphdef, None, eos_id=EOS, export_format="fp8")
+    base = _live_bytes()
+    sp = SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=3)
+    eng.push_weights(hf, "v1")
+    before = eng.generate(PROMPTS, sp)
+    eng.release_weights()
+    assert eng.params is None and _live_bytes() == base
+    assert eng.weight_version() == "v1"
+    for call in (lambda: eng.generate(PROMPTS, sp), lambda: eng.score([[1, 2, 3]])):
+        with pytest.raises(RolloutError, match=r"or released\); call push_weights"):
+            call()
+    eng.push_weights(hf, "v2")
+    after = eng.generate(PROMPTS, sp)
+    for a, b in zip(before, after, strict=True):
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    eng.close()
+
+
 @pytest.mark.parametrize(
     ("recipe", "fmt"),
     [("fp8_block", None), ("fp8_block", "fp8"), ("fp8_tensor", None), ("bf16", None)],
