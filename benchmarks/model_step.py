@@ -2,6 +2,7 @@
 chunked `token_logprobs` against the naive full-logits version.
 
     .venv/bin/python benchmarks/model_step.py [--layers 4 --d 512 --batch 2 --seq 256 --steps 3]
+    .venv/bin/python benchmarks/model_step.py --model DIR --peer torch [--batch 4 --seq 256]
 
 Prints tokens/s and XLA's compiled memory estimate (arguments + outputs + temporaries, from
 `Compiled.memory_analysis()`) per recipe, as ratios to bf16 measured in the same run, plus the
@@ -10,12 +11,25 @@ FP8 recipes are expected to be slower than bf16 here; the numbers that matter ar
 `fp8_block_pallas` (the Hopper kernel) runs by default on a GPU only; on CPU name it in
 `--recipes` to run it through the Mosaic GPU interpreter (a check, not a speed).
 The logprobs comparison only compiles (a 152k x 4096 f32 logits block is 2.5 GB per row).
+
+`--model DIR --peer torch`: a real HF folder (f32 compute) against transformers' model of the
+same folder (`benchmarks/torch_model_step.py`, in the vLLM venv), the same loss (minus the mean
+token log-prob, `token_logprobs` with chunk 128) on the same random tokens, both processes
+alive and timed in turns (`--rounds` rounds of `--steps` passes each, medians), so the
+machine's load falls on both alike. Prints both losses (they must agree) and
+
+    model_step: jax/torch = X.XXx (bf16 recipe), Y.YYx (fp8_block)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +100,70 @@ def bench_step(cfg: ModelConfig, batch: int, seq: int, steps: int, recipe_names:
         )
 
 
+def _jax_step(graphdef, params, tokens, recipe):
+    """The compiled forward+backward of the benchmark's loss and its loss."""
+    mask = jnp.ones(tokens.shape, jnp.int32)
+
+    def loss(p):
+        return -F.token_logprobs(graphdef, p, tokens, mask, recipe=recipe, chunk_size=128).mean()
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    value, g = compiled(params)
+    jax.block_until_ready(g)
+    return compiled, float(value)
+
+
+def bench_against_torch(model: str, batch: int, seq: int, steps: int, rounds: int) -> None:
+    from models.hf_io import load_hf
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests" / "rollout_bridge"))
+    from bridge_support import ensure_vllm_env
+
+    cfg, graphdef, params = load_hf(model, compute_dtype=jnp.float32)
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    progs = {
+        name: _jax_step(graphdef, params, jnp.asarray(tokens), fp8.get_recipe(name))
+        for name in ("bf16", "fp8_block")
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(f"{tmp}/tokens.npy", tokens)
+        peer = subprocess.Popen(
+            [str(ensure_vllm_env() / "bin" / "python"), str(root / "benchmarks" / "torch_model_step.py"),
+             "--model", str(model), "--tokens", f"{tmp}/tokens.npy"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+        def ask(msg: dict) -> dict:
+            peer.stdin.write(json.dumps(msg) + "\n")
+            peer.stdin.flush()
+            return json.loads(peer.stdout.readline())
+
+        torch_loss = json.loads(peer.stdout.readline())["loss"]
+        times: dict[str, list[float]] = {"torch": [], **{n: [] for n in progs}}
+        for r in range(rounds):
+            for name, (compiled, _) in progs.items():
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    _, g = compiled(params)
+                jax.block_until_ready(g)
+                times[name].append((time.perf_counter() - t0) / steps)
+            times["torch"].append(ask({"steps": steps})["s_per_step"])
+            print(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{k} {v[-1]:.3f} s/step" for k, v in times.items()), flush=True)  # fmt: skip
+        peer.stdin.write(json.dumps({"steps": 0}) + "\n")
+        peer.stdin.close()
+        peer.wait(timeout=60)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    print(f"forward+backward, {model}: B={batch}, T={seq}, f32 compute, {jax.default_backend()},"
+          f" medians of {rounds} rounds x {steps} steps")  # fmt: skip
+    for name, s in med.items():
+        loss = torch_loss if name == "torch" else progs[name][1]
+        print(f"{name:<12}{s:>9.3f} s/step{1 / s:>9.3f} steps/s   loss {loss:.6f}")
+    print(f"model_step: jax/torch = {med['torch'] / med['bf16']:.2f}x (bf16 recipe), "
+          f"{med['torch'] / med['fp8_block']:.2f}x (fp8_block)")  # fmt: skip
+
+
 def bench_logprobs_memory(vocab: int, seq: int, d: int, chunk: int) -> None:
     cfg = ModelConfig(
         arch="qwen3",
@@ -131,6 +209,9 @@ def bench_logprobs_memory(vocab: int, seq: int, d: int, chunk: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="an HF folder: time it against --peer (f32 compute)")
+    ap.add_argument("--peer", choices=["torch"], default="torch")
+    ap.add_argument("--rounds", type=int, default=3, help="--model: alternating rounds")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -147,6 +228,9 @@ def main() -> None:
     ap.add_argument("--lp-seq", type=int, default=4096)
     ap.add_argument("--lp-chunk", type=int, default=256)
     args = ap.parse_args()
+    if args.model:
+        bench_against_torch(args.model, args.batch, args.seq, args.steps, args.rounds)
+        return
     cfg = ModelConfig(
         arch="qwen3",
         vocab_size=args.vocab,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import os
 import sys
 import threading
@@ -105,12 +106,13 @@ def _glibc_malloc_trim() -> object | None:
 
 
 def release_free_heap() -> None:
-    """Hands the free pages of the C heap back to the OS (glibc's `malloc_trim(0)`; nothing
-    elsewhere). glibc keeps the blocks that threads free in their own arenas for reuse, and
+    """Collects cyclic garbage, then hands the free pages of the C heap back to the OS (glibc's
+    `malloc_trim(0)`; nothing elsewhere). glibc keeps the blocks that threads free in their own arenas for reuse, and
     returns only large ones (over 32 MiB) at once: after many threads allocated and freed
     many mid-sized blocks, such as a checkpoint save's tensorstore writers encoding chunks,
     the resident set stays at the burst's height, and the next stage's peak adds to it.
     Nothing allocated is touched."""
+    gc.collect()  # arrays held only by reference cycles (NNX graphs) die now, not later
     trim = _glibc_malloc_trim()
     if trim is not None:
         trim(0)

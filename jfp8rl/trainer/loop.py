@@ -235,15 +235,16 @@ def setup(
 
 
 def run_steps(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
-    """The first sync (and at step 0 the base policy's eval and checkpoint), then the steps
-    up to `stop_at`; a rollout backend failure or a failed write becomes `RunStopped`."""
+    """The first sync (at step 0 after the base checkpoint, then the base policy's eval), then
+    the steps up to `stop_at`; a rollout backend failure or a failed write becomes `RunStopped`."""
     try:
+        if p.step == 0:  # saved before the engine holds weights: the save's buffers beside less
+            stage_checkpoint(t, state, p, force=True)
         stage_sync(t, state, p.step)
         log_memory(t.log, f"sync {p.step}")
         if p.step == 0:
             distributed.on_main(lambda: log_base_eval(t))
             log_memory(t.log, "eval 0")
-            stage_checkpoint(t, state, p, force=True)
         while p.step < stop_at:
             train_step(t, state, p, stop_at)
     except RewardError as e:

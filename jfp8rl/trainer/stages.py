@@ -66,6 +66,7 @@ def stage_rollout(t: Trainer, p: Progress, step: int) -> tuple[RolloutBatch, dic
     else:
         collected, used = ahead
     batch, p.position, rstats = collected
+    release_free_heap()  # the decode loop's freed blocks (glibc keeps them), before prepare
     if t.ahead is not None:
         rstats = rstats | {"rollout/weight_version": float(used),
                            "rollout/staleness": float(step - 1 - used)}  # fmt: skip
@@ -179,6 +180,7 @@ def stage_sync(
     prompts = t.fmt.encode(examples, t.cfg.data.max_prompt_tokens) if examples else []
     kv = kv_scale_push(r, t.policy.graphdef, state["params"], seqs, prompts)
     push_params(t.backend, t.policy.cfg, state["params"], version(step), push_format(r), kv)
+    release_free_heap()  # the export's host copies, read and installed
     return time.perf_counter() - t0
 
 
@@ -289,7 +291,7 @@ def stage_free_engine(t: Trainer) -> None:
     it samples the next batch meanwhile (`rollout.max_staleness` 1)."""
     if t.cfg.rollout.free_cache_engine and t.ahead is None and t.backend is not None:
         t.backend.release_weights()
-        release_free_heap()  # the decode's freed blocks, before the update allocates
+        release_free_heap()  # the per-layer weights below glibc's mmap threshold
 
 
 def train_step(t: Trainer, state: dict[str, Any], p: Progress, stop_at: int) -> None:
