@@ -21,6 +21,8 @@ invocations of one run (`RESUMABLE`, prefixes of dotted keys):
                                     servers are, how they are reached and exports checked
     rollout.max_num_seqs            sequences decoded at once (the samples do not depend on it)
     rollout.on_policy_check_every   how often the exact on-policy check is logged
+    rollout.free_cache_engine       whether the engine drops its weights between rollout and
+                                    sync (the next push installs the same numbers)
     warmstart.cache_dir             where the base policy is cached (its key names the policy)
 """
 
@@ -53,6 +55,7 @@ RESUMABLE = (
     "rollout.max_retries",
     "rollout.max_num_seqs",
     "rollout.on_policy_check_every",
+    "rollout.free_cache_engine",
     "warmstart.cache_dir",
 )
 

@@ -100,6 +100,7 @@ def test_resumable_keys() -> None:
         "run_dir=elsewhere", "train.steps=400", "train.eval_every=5", "logging.console=none",
         "checkpoint.keep=5", "eval.n=4", "eval.temperature=0.6", "rollout.url=http://h:1",
         "rollout.max_num_seqs=64", "warmstart.cache_dir=/c", "train.mesh.fsdp=2",
+        "rollout.free_cache_engine=false",
     ])  # fmt: skip
     assert differences(base, same) == []
     changed = load_config(TINY, ["optim.lr=1e-4", "rollout.n=4", "data.seed=3"])

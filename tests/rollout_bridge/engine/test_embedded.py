@@ -274,7 +274,7 @@ def test_engine_without_weights_until_a_streamed_push(model, tmp_path):
     eng = EmbeddedBackend(
         cfg, graphdef, None, eos_id=None, export_root=tmp_path, export_format="fp32"
     )
-    with pytest.raises(RolloutError, match="no weights yet.*push_weights"):
+    with pytest.raises(RolloutError, match="no weights.*push_weights"):
         eng.score([[1, 2, 3]])
     eng.push_weights(iter_hf_state(cfg, params), "v1")
     ref = EmbeddedBackend(cfg, graphdef, params, eos_id=None)
