@@ -93,24 +93,7 @@ def resolve_config(
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-    # One at a time, so that an error names its override. `key=` means the empty string
-    # (OmegaConf would read it as null).
-    for item in overrides:
-        try:
-            dot = item + "''" if item.endswith("=") else item
-            one = OmegaConf.from_dotlist([dot])
-            base = OmegaConf.merge(base, one)
-            given = OmegaConf.merge(given, one)
-            if "${" in item:  # resolve it now: a failing interpolation names its override
-                OmegaConf.select(base, item.split("=", 1)[0])
-        except (OmegaConfBaseException, TypeError) as e:  # TypeError: list <- dict merges
-            raise ConfigError(f"command-line override {item!r}: {_describe(e)}") from e
-        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
-            why = " ".join(str(e).split())
-            raise ConfigError(
-                f"command-line override {item!r}: its value is not valid YAML ({why}); quote "
-                "it, e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
-            ) from e
+    base, given = _apply_overrides(base, given, overrides)
     # OmegaConf's merge keeps the default where the file says ??? (mandatory), so the
     # file's mandatory keys are checked against what the overrides set.
     set_by_overrides = {item.split("=", 1)[0] for item in overrides}
@@ -135,6 +118,40 @@ def resolve_config(
     if nan:
         raise ConfigError(f"{nan[0]}=nan: not a number ({where} or an override)")
     return cfg
+
+
+def _apply_overrides(base: Any, given: Any, overrides: list[str] | tuple[str, ...]) -> Any:
+    """`base` and `given` with the dotted `overrides` merged in, in order (a later one wins).
+    All in one merge; when that fails, one at a time, so that the error names its override.
+    `key=` means the empty string (OmegaConf would read it as null)."""
+    dots = [item + "''" if item.endswith("=") else item for item in overrides]
+    if not dots:
+        return base, given
+    try:
+        one = OmegaConf.from_dotlist(dots)
+        merged = OmegaConf.merge(base, one), OmegaConf.merge(given, one)
+        for item in overrides:
+            if "${" in item:  # resolve it now: a failing interpolation names its override
+                OmegaConf.select(merged[0], item.split("=", 1)[0])
+        return merged
+    except (OmegaConfBaseException, TypeError, yaml.YAMLError):
+        pass
+    for item, dot in zip(overrides, dots, strict=True):
+        try:
+            one = OmegaConf.from_dotlist([dot])
+            base = OmegaConf.merge(base, one)
+            given = OmegaConf.merge(given, one)
+            if "${" in item:
+                OmegaConf.select(base, item.split("=", 1)[0])
+        except (OmegaConfBaseException, TypeError) as e:  # TypeError: list <- dict merges
+            raise ConfigError(f"command-line override {item!r}: {_describe(e)}") from e
+        except yaml.YAMLError as e:  # OmegaConf parses each override's value as YAML
+            why = " ".join(str(e).split())
+            raise ConfigError(
+                f"command-line override {item!r}: its value is not valid YAML ({why}); quote "
+                "it, e.g. 'data.prompt_template=\"{prompt} ...\"' (braces and colons need quotes)"
+            ) from e
+    return base, given
 
 
 def _nan_keys(section: Any, prefix: str = "") -> list[str]:

@@ -19,7 +19,8 @@ TIMING_PREFIXES = ("timing/", "throughput/", "perf/", "memory/")
 
 
 def _argv(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return ["--config", str(TINY), *small(run_dir, cache_dir, *extra)]
+    # A checkpoint every step: a 1-step run extends to 2 (step 2 calibrates and evaluates).
+    return ["--config", str(TINY), *small(run_dir, cache_dir, "checkpoint.every=1", *extra)]
 
 
 def _snapshot(run_dir: Path) -> dict[str, float]:
@@ -31,27 +32,27 @@ def test_complete_changed_extended_and_fresh(
     tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir, whole = tmp_path / "run", tmp_path / "whole"
-    assert main(_argv(run_dir, cache_dir, "train.steps=2")) == 0
+    assert main(_argv(run_dir, cache_dir, "train.steps=1")) == 0
     capsys.readouterr()
     # The run folder's config.yaml is what --print-config prints for the same command.
-    assert main([*_argv(run_dir, cache_dir, "train.steps=2"), "--print-config"]) == 0
+    assert main([*_argv(run_dir, cache_dir, "train.steps=1"), "--print-config"]) == 0
     assert capsys.readouterr().out == (run_dir / "config.yaml").read_text()
 
     # The same command again: complete, nothing rewritten.
     before = _snapshot(run_dir)
-    assert main(_argv(run_dir, cache_dir, "train.steps=2")) == 0
+    assert main(_argv(run_dir, cache_dir, "train.steps=1")) == 0
     out = capsys.readouterr().out
     assert out == (
-        f"{run_dir} is complete (step 2 of 2); to train it further, rerun with "
-        "train.steps=<more than 2>, or use another run_dir (or --fresh) for a new run\n"
+        f"{run_dir} is complete (step 1 of 1); to train it further, rerun with "
+        "train.steps=<more than 1>, or use another run_dir (or --fresh) for a new run\n"
     )
     assert _snapshot(run_dir) == before
 
     # Another algorithm and learning rate: refused before anything is loaded, every key named.
-    assert main(_argv(run_dir, cache_dir, "train.steps=2", "optim.lr=3e-4", "algorithm.name=grpo")) == 2  # fmt: skip
+    assert main(_argv(run_dir, cache_dir, "train.steps=1", "optim.lr=3e-4", "algorithm.name=grpo")) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert err == (
-        f"error: {run_dir} holds a run trained to step 2 with another config (algorithm.name: "
+        f"error: {run_dir} holds a run trained to step 1 with another config (algorithm.name: "
         "'dapo' -> 'grpo', algorithm.eps_high: 0.28 -> 0.2, algorithm.loss_agg_mode: "
         "'token-mean' -> 'seq-mean-token-mean', algorithm.kl_coef: 0.0 -> 0.001, optim.lr: "
         f"0.0005 -> 0.0003). Train this config in another folder (run_dir={run_dir}-1), or "
@@ -60,12 +61,12 @@ def test_complete_changed_extended_and_fresh(
     )
     assert _snapshot(run_dir) == before
 
-    # train.steps=4 extends it; it equals a run of 4 steps from the start.
-    assert main(_argv(run_dir, cache_dir, "train.steps=4")) == 0
-    assert f"resuming {run_dir} from step 2 of 4\n" in capsys.readouterr().out
-    assert main(_argv(whole, cache_dir, "train.steps=4")) == 0
+    # train.steps=2 extends it; it equals a run of 2 steps from the start.
+    assert main(_argv(run_dir, cache_dir, "train.steps=2")) == 0
+    assert f"resuming {run_dir} from step 1 of 2\n" in capsys.readouterr().out
+    assert main(_argv(whole, cache_dir, "train.steps=2")) == 0
     extended, uninterrupted = read_metrics(run_dir), read_metrics(whole)
-    assert [r["step"] for r in extended] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in extended] == [0, 1, 2]
     for a, b in zip(extended, uninterrupted, strict=True):
         for key, value in b.items():
             if not key.startswith(TIMING_PREFIXES):
@@ -82,7 +83,7 @@ def test_complete_changed_extended_and_fresh(
     assert main(["--fresh", *argv]) == 0
     moved = tmp_path / "run.replaced-1"
     assert f"--fresh: moved the previous run in {run_dir} to {moved}\n" in capsys.readouterr().err
-    assert steps_on_disk(checkpoints_dir(moved)) == [2, 4]
-    assert [r["step"] for r in read_metrics(moved)] == [0, 1, 2, 3, 4]
+    assert steps_on_disk(checkpoints_dir(moved)) == [1, 2]
+    assert [r["step"] for r in read_metrics(moved)] == [0, 1, 2]
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]
     assert (run_dir / "config.yaml").read_text().count("lr: 0.0003") == 1
