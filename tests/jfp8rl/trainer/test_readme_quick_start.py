@@ -15,12 +15,12 @@ from tiny_run import REPO
 from jfp8rl import report, train
 from jfp8rl.observe.metrics import read_metrics
 
-# Appended to every training command: the tiny run for two steps, with the test session's
+# Appended to every training command: the tiny run for one step (calibrating, evaluated), with the test session's
 # warm start (the same base policy as tests/jfp8rl/tiny_run.small, so its cache is shared).
 SHORT = [
     "warmstart.steps=120", "warmstart.target_accuracy=0", "data.batch_size=4",
-    "data.eval_size=16", "rollout.n=4", "train.steps=2", "train.mini_batches=2",
-    "train.eval_every=2", "calibration.every=2", "checkpoint.every=2", "logging.console=none",
+    "data.eval_size=16", "rollout.n=4", "train.steps=1", "train.mini_batches=2",
+    "train.eval_every=1", "calibration.every=1", "checkpoint.every=1", "logging.console=none",
 ]  # fmt: skip
 
 
@@ -65,7 +65,7 @@ def test_quick_start_commands_in_order(
     assert (default["algorithm"]["name"], default["algorithm"]["clip"]) == ("dapo", "calibrated")
     assert (default["train"]["recipe"], default["rollout"]["recipe"]) == ("fp8_block", "fp8_block")
     records = read_metrics(runs / "tiny_cpu")
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == [0, 1]
     assert not any("actor/kl_loss" in r for r in records)
     assert all("calib/alpha" in r for r in records[1:])
 
@@ -99,6 +99,6 @@ def test_quick_start_commands_in_order(
     # The default again: complete, and it says how to go on.
     assert run_command(commands[0]) == 0
     assert capsys.readouterr().out == (
-        "runs/tiny_cpu is complete (step 2 of 2); to train it further, rerun with "
-        "train.steps=<more than 2>, or use another run_dir (or --fresh) for a new run\n"
+        "runs/tiny_cpu is complete (step 1 of 1); to train it further, rerun with "
+        "train.steps=<more than 1>, or use another run_dir (or --fresh) for a new run\n"
     )
