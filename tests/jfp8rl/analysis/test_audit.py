@@ -210,22 +210,22 @@ def test_audit_from_checkpoint_starts_at_its_state(
     # The shapes and settings of the module's audit fixture (its fp8_block/e5m2 programs are
     # compiled already), and a real run with E5M2 gradients.
     sets = small(run_dir, cache_dir, "data.batch_size=8", "train.mini_batches=4",
-                 "train.steps=2", "train.eval_every=0", "data.eval_size=4", "optim.warmup_steps=0",
+                 "train.steps=1", "checkpoint.every=1", "train.eval_every=0", "data.eval_size=4", "optim.warmup_steps=0",
                  "train.grad_format=e5m2", "checkpoint.export_hf=false",
                  "logging.tensorboard=false")  # fmt: skip
     run(load_config(TINY, sets))
-    state = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / "2" / "state")
+    state = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / "1" / "state")
     ref_params, ref_opt = float_norm(state["params"]), float_norm(state["opt_state"])
-    assert ref_opt > 0.0  # Adam moments after 2 steps
+    assert ref_opt > 0.0  # Adam moments after a step
 
     out = tmp_path / "audit"
     rows = run_audit(str(run_dir / "config.yaml"), [], out, (("fp8_block", "e5m2"),),
                      log=lambda m: None, checkpoint=run_dir, updates=(0, 1))  # fmt: skip
     by = {r["updates"]: r for r in rows}
-    assert by[0]["start_step"] == 2
+    assert by[0]["start_step"] == 1
     assert by[0]["param_norm"] == ref_params  # exact: the checkpoint's params
     assert by[0]["opt_state_norm"] == ref_opt  # and its Adam moments, not fresh zeros
     # One update moves them (the restored Adam moments move params even where the batch's
     # groups are all masked out, as at this 16-sample size they may be).
     assert by[1]["param_norm"] != ref_params
-    assert "from " + str(run_dir / "checkpoints" / "2") in (out / "audit.md").read_text()
+    assert "from " + str(run_dir / "checkpoints" / "1") in (out / "audit.md").read_text()
