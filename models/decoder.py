@@ -273,8 +273,32 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(*x.shape[:2], -1), dot_general), carry
 
 
+@jax.custom_vjp
+def materialized_cotangent(x: Array) -> Array:
+    """The identity, whose cotangent is materialised (an optimisation barrier) before it reaches
+    the GEMMs that consume it. The weight gradient of `x = dot(h, W)` is a GEMM over the
+    tokens, for which XLA:CPU lays the cotangent out transposed; left free, it fuses the
+    elementwise math that produces the cotangent (SwiGLU's backward reads four [T, F] arrays)
+    into that transposing copy, which then reads every input in strided order (a quarter of
+    SmolLM2's forward+backward on CPU). Materialised first, the math runs in row order and the
+    transpose is one plain copy. Values are unchanged: the same operations, another fusion."""
+    return x
+
+
+def _materialized_fwd(x: Array) -> tuple[Array, None]:
+    return x, None
+
+
+def _materialized_bwd(_: None, g: Array) -> tuple[Array]:
+    return (jax.lax.optimization_barrier(g),)
+
+
+materialized_cotangent.defvjp(_materialized_fwd, _materialized_bwd)
+
+
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); the gate and up projections' cotangents are
+    materialised before their GEMMs (`materialized_cotangent`)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -283,8 +307,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(f, d, bias=False, cfg=cfg, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B T D"], dot_general: DotGeneral) -> Float[Array, "B T D"]:
-        gate = self.gate_proj(x, dot_general)
-        up = self.up_proj(x, dot_general)
+        gate = materialized_cotangent(self.gate_proj(x, dot_general))
+        up = materialized_cotangent(self.up_proj(x, dot_general))
         h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
         return self.down_proj(h, dot_general)
 
