@@ -135,6 +135,32 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
     chex.assert_trees_all_close(g1, g0, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_materialized_cotangent_leaves_loss_and_gradients(monkeypatch, recipe):
+    """The SwiGLU cotangent barrier (`decoder.materialized_cotangent`) only changes how XLA fuses
+    the backward: the loss and every gradient equal the plain identity's bit for bit, and its
+    jaxpr holds one optimisation barrier per projection (gate and up)."""
+    from models import decoder
+
+    cfg, graphdef, params = tiny("tiny_qwen3")
+    tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 2))
+    rec = fp8.get_recipe(recipe)
+
+    def loss(p):
+        return F.token_logprobs(graphdef, p, tokens, mask, recipe=rec, chunk_size=4).sum()
+
+    def barriers() -> int:
+        jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+        return sum(e.primitive.name == "optimization_barrier" for e in all_eqns(jaxpr))
+
+    with_barrier, n_with = jax.jit(jax.value_and_grad(loss))(params), barriers()
+    monkeypatch.setattr(decoder, "materialized_cotangent", lambda x: x)
+    plain, n_plain = jax.jit(jax.value_and_grad(loss))(params), barriers()
+    assert n_with == n_plain + 2
+    assert float(with_barrier[0]) == float(plain[0])
+    chex.assert_trees_all_equal(with_barrier[1], plain[1])
+
+
 def test_remat_must_be_a_policy_name():
     with pytest.raises(ValueError, match="remat=True.*'none', 'full', 'save_dots'"):
         get_config("tiny_qwen3", remat=True)
