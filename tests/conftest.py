@@ -132,7 +132,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Session fixtures worth building once: their users form one xdist group (one worker), so the
 # tiny vLLM server starts once and the real model's transformers reference is computed once.
-SHARED_FIXTURES = ("tiny_vllm", "smollm2_dir")
+SHARED_FIXTURES = ("tiny_vllm", "smollm2_dir", "qwen25_dir")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -179,17 +179,51 @@ def transformers_ref(vllm_venv: Path) -> Iterator[Callable[..., tuple[dict, dict
     worker.close()
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(vllm_venv: Path) -> Path:
-    """SmolLM2-135M-Instruct (4-bit GGUF weights dequantized to f32) as an HF folder, from
-    scripts/get_smollm2.sh (cached under ~/.cache/jfp8rl; minutes the first time)."""
+def _get_model(script_name: str) -> Path:
+    """The HF folder a scripts/get_*.sh script prints last (cached under ~/.cache/jfp8rl;
+    minutes the first time)."""
     import subprocess
 
-    script = TESTS.parent / "scripts" / "get_smollm2.sh"
+    script = TESTS.parent / "scripts" / script_name
     proc = subprocess.run([str(script)], capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(vllm_venv: Path) -> Path:
+    """SmolLM2-135M-Instruct (4-bit GGUF weights dequantized to f32) as an HF folder, from
+    scripts/get_smollm2.sh."""
+    return _get_model("get_smollm2.sh")
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir(vllm_venv: Path) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF weights dequantized to f32) as an HF folder,
+    from scripts/get_qwen25_coder_05b.sh."""
+    return _get_model("get_qwen25_coder_05b.sh")
+
+
+@pytest.fixture(scope="session")
+def qwen25_ref(qwen25_dir: Path, transformers_ref: Callable) -> tuple[dict, dict]:
+    """transformers' GGUF-loaded Qwen2.5-Coder on every case of tests/reference/qwen25_cases.py
+    (one job for the session); the greedy prompts rendered by our chat template."""
+    import qwen25_cases as cases
+    from smollm2_cases import reference
+
+    from jfp8rl.data.records import Example
+    from jfp8rl.data.templates import PromptFormat
+    from models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(qwen25_dir)
+    fmt = PromptFormat(qwen25_dir, tok)
+    prompts = [fmt.encode([Example("", "", {}, tuple(c))], 512)[0] for c in cases.GREEDY]
+    meta, arrays = reference(
+        transformers_ref, tok, prompts, gguf=cases.GGUF, texts=cases.TEXTS,
+        conversations=cases.CONVERSATIONS, max_new_tokens=cases.MAX_NEW_TOKENS,
+    )  # fmt: skip
+    return {**meta, "prompts": prompts}, arrays
 
 
 @pytest.fixture(scope="session")

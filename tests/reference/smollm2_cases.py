@@ -42,9 +42,10 @@ GREEDY = (
 MAX_NEW_TOKENS = 24
 
 
-def logits_batch(tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Two rows of TEXTS' ids (our tokenizer's), the shorter right-padded: tokens, mask."""
-    rows = [tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS[1:3]]
+def logits_batch(tokenizer: Any, texts: tuple[str, ...] = TEXTS) -> tuple[np.ndarray, np.ndarray]:
+    """Two rows of `texts`' ids (1 and 2; our tokenizer's), the shorter right-padded: tokens,
+    mask."""
+    rows = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts[1:3]]
     t = max(len(r) for r in rows)
     tokens = np.zeros((len(rows), t), np.int32)
     mask = np.zeros((len(rows), t), np.int32)
@@ -53,11 +54,21 @@ def logits_batch(tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
     return tokens, mask
 
 
-def reference(worker: Any, tokenizer: Any, prompts: list[list[int]]) -> tuple[dict, dict]:
-    """transformers' answers for every case (job `gguf`); `prompts`: GREEDY's prompt ids."""
-    tokens, mask = logits_batch(tokenizer)
+def reference(
+    worker: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    gguf: Path = GGUF,
+    texts: tuple[str, ...] = TEXTS,
+    conversations: tuple[list[dict[str, str]], ...] = CONVERSATIONS,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+) -> tuple[dict, dict]:
+    """transformers' answers for every case (job `gguf`) on the model of `gguf`; `prompts`:
+    the greedy prompts' ids. SmolLM2's cases by default (other models: tests/reference/qwen25_cases.py)."""
+    tokens, mask = logits_batch(tokenizer, texts)
     return worker(
-        "gguf", arrays={"tokens": tokens, "mask": mask}, gguf_file=str(GGUF), texts=list(TEXTS),
-        conversations=[list(c) for c in CONVERSATIONS], prompts=prompts,
-        max_new_tokens=MAX_NEW_TOKENS,
+        "gguf", arrays={"tokens": tokens, "mask": mask}, gguf_file=str(gguf), texts=list(texts),
+        conversations=[list(c) for c in conversations], prompts=prompts,
+        max_new_tokens=max_new_tokens,
     )  # fmt: skip

@@ -1,8 +1,9 @@
 """Converts a GGUF checkpoint into an HF model folder with transformers' GGUF loader.
 
-Run by `scripts/get_smollm2.sh` in the vLLM venv (torch, transformers, gguf, accelerate):
-`python scripts/smollm2_from_gguf.py GGUF_FILE OUT_DIR`. transformers dequantizes every tensor
-(Q4_1 linears, Q8_0 embedding) to float32 and reads the vocabulary, merges and chat template
+Run by `scripts/get_smollm2.sh` and `scripts/get_qwen25_coder_05b.sh` in the vLLM venv (torch,
+transformers, gguf, accelerate): `python scripts/gguf_to_hf.py GGUF_FILE OUT_DIR`.
+transformers dequantizes every tensor (SmolLM2's Q4_1 and Q8_0, Qwen2.5-Coder's Q4_K, Q5_0,
+Q6_K and Q8_0) to float32 and reads the vocabulary, merges and chat template
 from the GGUF metadata. The folder gets float32 safetensors, a config.json without the GGUF
 quantization entry (the weights are plain float32 now), tokenizer.json, tokenizer_config.json
 (chat template, eos) and generation_config.json. Imports only torch and transformers, never
@@ -50,5 +51,5 @@ def convert(gguf_file: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: smollm2_from_gguf.py GGUF_FILE OUT_DIR")
+        sys.exit("usage: gguf_to_hf.py GGUF_FILE OUT_DIR")
     convert(Path(sys.argv[1]), Path(sys.argv[2]))
