@@ -207,8 +207,9 @@ def qwen25_dir(vllm_venv: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen25_ref(qwen25_dir: Path, transformers_ref: Callable) -> tuple[dict, dict]:
-    """transformers' GGUF-loaded Qwen2.5-Coder on every case of tests/reference/qwen25_cases.py
-    (one job for the session); the greedy prompts rendered by our chat template."""
+    """transformers' Qwen2.5-Coder on every case of tests/reference/qwen25_cases.py (one job for
+    the session), loaded from the folder its GGUF loader wrote (dequantizing the GGUF again costs
+    ~40 s); the greedy prompts rendered by our chat template."""
     import qwen25_cases as cases
     from smollm2_cases import reference
 
@@ -220,7 +221,7 @@ def qwen25_ref(qwen25_dir: Path, transformers_ref: Callable) -> tuple[dict, dict
     fmt = PromptFormat(qwen25_dir, tok)
     prompts = [fmt.encode([Example("", "", {}, tuple(c))], 512)[0] for c in cases.GREEDY]
     meta, arrays = reference(
-        transformers_ref, tok, prompts, gguf=cases.GGUF, texts=cases.TEXTS,
+        transformers_ref, tok, prompts, model_dir=qwen25_dir, texts=cases.TEXTS,
         conversations=cases.CONVERSATIONS, max_new_tokens=cases.MAX_NEW_TOKENS,
     )  # fmt: skip
     return {**meta, "prompts": prompts}, arrays

@@ -1,5 +1,5 @@
-"""Qwen2.5-Coder-0.5B-Instruct as scripts/get_qwen25_coder_05b.sh writes it, against
-transformers' model loaded straight from the GGUF (fixture `qwen25_ref`,
+"""Qwen2.5-Coder-0.5B-Instruct as scripts/get_qwen25_coder_05b.sh writes it (transformers' GGUF
+loader's dequantized values), against transformers' model of the folder (fixture `qwen25_ref`,
 tests/reference/qwen25_cases.py): the folder's logits through `models.hf_io.load_hf` + forward
 (f32; Qwen2's q/k/v biases, the 151,936-entry vocabulary), its tokenizer ids on code, Chinese
 and special tokens, its chat template ids with and without a system message, its end-of-turn
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 IM_END, END_OF_TEXT = 151645, 151643
 
 
-def test_folder_logits_equal_transformers_gguf_model(qwen25_dir, qwen25_ref) -> None:
+def test_folder_logits_equal_transformers(qwen25_dir, qwen25_ref) -> None:
     _, ref = qwen25_ref
     cfg, graphdef, params = load_hf(qwen25_dir, compute_dtype=jnp.float32)
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (

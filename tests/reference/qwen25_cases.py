@@ -1,18 +1,13 @@
 """The Qwen2.5-Coder-0.5B-Instruct reference cases (scripts/get_qwen25_coder_05b.sh): SmolLM2's
 strings plus code, Chinese and Qwen's own special tokens, conversations with and without a
-system message, and short greedy prompts, answered by transformers' GGUF-loaded model in one
+system message, and short greedy prompts, answered by transformers' model of the folder in one
 job per test session (fixture `qwen25_ref`, tests/conftest.py). Few new tokens: the model is
 4x SmolLM2's compute and its 151,936-entry head dominates a decode step."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from smollm2_cases import CONVERSATIONS
 from smollm2_cases import TEXTS as SMOLLM2_TEXTS
-
-GGUF = Path.home() / ".cache/jfp8rl/wheels/qwen25_coder/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-"""Where scripts/get_qwen25_coder_05b.sh keeps the GGUF it converts."""
 
 TEXTS = (
     *SMOLLM2_TEXTS[:2],
@@ -30,4 +25,4 @@ GREEDY = (
     [{"role": "user", "content": "Write a Python function that adds two numbers."}],
 )
 MAX_NEW_TOKENS = 12
-__all__ = ["CONVERSATIONS", "GGUF", "GREEDY", "MAX_NEW_TOKENS", "TEXTS"]
+__all__ = ["CONVERSATIONS", "GREEDY", "MAX_NEW_TOKENS", "TEXTS"]

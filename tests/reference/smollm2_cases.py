@@ -60,15 +60,18 @@ def reference(
     prompts: list[list[int]],
     *,
     gguf: Path = GGUF,
+    model_dir: Path | None = None,
     texts: tuple[str, ...] = TEXTS,
     conversations: tuple[list[dict[str, str]], ...] = CONVERSATIONS,
     max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> tuple[dict, dict]:
-    """transformers' answers for every case (job `gguf`) on the model of `gguf`; `prompts`:
-    the greedy prompts' ids. SmolLM2's cases by default (other models: tests/reference/qwen25_cases.py)."""
+    """transformers' answers for every case (job `gguf`) on the model of `gguf`, or of the HF
+    folder `model_dir` that transformers' GGUF loader wrote from it; `prompts`: the greedy
+    prompts' ids. SmolLM2's cases by default (Qwen's: tests/reference/qwen25_cases.py)."""
     tokens, mask = logits_batch(tokenizer, texts)
+    source = {"model_dir": str(model_dir)} if model_dir else {"gguf_file": str(gguf)}
     return worker(
-        "gguf", arrays={"tokens": tokens, "mask": mask}, gguf_file=str(gguf), texts=list(texts),
+        "gguf", arrays={"tokens": tokens, "mask": mask}, **source, texts=list(texts),
         conversations=[list(c) for c in conversations], prompts=prompts,
         max_new_tokens=max_new_tokens,
     )  # fmt: skip

@@ -27,7 +27,9 @@ Jobs (`kind`):
   `generation_eos_token_id` (`GenerationConfig.from_pretrained(folder).eos_token_id`, None
   without a generation_config.json).
 - `gguf`: `gguf_file` (a .gguf path; needs gguf and accelerate in this venv) loaded with
-  transformers' GGUF loader (f32, eager attention, the GGUF's own tokenizer), once, for all of:
+  transformers' GGUF loader (f32, eager attention, the GGUF's own tokenizer), or `model_dir`
+  (an HF folder that transformers' GGUF loader wrote, loaded as it is: the same values,
+  without dequantizing again), once, for all of:
   `tokens` / `mask` -> `logits` as `logits`; `texts` -> `input_ids` as `tokenize`;
   `conversations` -> `chat_ids` as `chat_template` (`chat_eos_token_id` its tokenizer's eos);
   `prompts` (lists of ids), `max_new_tokens` -> `greedy`: each prompt's greedy answer of
@@ -120,11 +122,14 @@ def job_chat_template(job: dict) -> tuple[dict, dict]:
 
 
 def job_gguf(job: dict) -> tuple[dict, dict]:
-    path = Path(job["gguf_file"])
-    kw = {"gguf_file": path.name}
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+    if "model_dir" in job:
+        src, kw = Path(job["model_dir"]), {}
+    else:
+        path = Path(job["gguf_file"])
+        src, kw = path.parent, {"gguf_file": path.name}
+    tok = transformers.AutoTokenizer.from_pretrained(src, **kw)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, dtype=torch.float32, attn_implementation="eager", **kw
+        src, dtype=torch.float32, attn_implementation="eager", **kw
     ).eval()
     meta: dict = {"eos_token_id": tok.eos_token_id}
     arrays: dict = {}
