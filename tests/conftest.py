@@ -131,8 +131,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # Session fixtures worth building once: their users form one xdist group (one worker), so the
-# tiny vLLM server starts once and the real model's transformers reference is computed once.
-SHARED_FIXTURES = ("tiny_vllm", "smollm2_dir", "qwen25_dir")
+# tiny vLLM server starts once and the real models' transformers references are computed once.
+# The two real models share a group: their trainers and vLLM servers (a 0.5B trainer holds
+# ~11 GB) run one at a time, never side by side on one machine's memory.
+SHARED_FIXTURES = {
+    "tiny_vllm": "tiny_vllm",
+    "smollm2_dir": "real_models",
+    "qwen25_dir": "real_models",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -141,13 +147,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     shared fixtures' groups and those holding `slow` tests first, each keeping its order."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        used = [f for f in SHARED_FIXTURES if f in getattr(item, "fixturenames", ())]
+        used = [g for f, g in SHARED_FIXTURES.items() if f in getattr(item, "fixturenames", ())]
         name = used[0] if used else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(name))
         groups.setdefault(name, []).append(item)
 
     def heavy(name: str) -> bool:
-        return name in SHARED_FIXTURES or any(i.get_closest_marker("slow") for i in groups[name])
+        return name in SHARED_FIXTURES.values() or any(
+            i.get_closest_marker("slow") for i in groups[name]
+        )
 
     order = [n for n in groups if heavy(n)] + [n for n in groups if not heavy(n)]
     items[:] = [item for name in order for item in groups[name]]

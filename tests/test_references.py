@@ -180,8 +180,8 @@ def test_readme_figures_appear_in_the_docs_they_cite() -> None:
 
 
 def test_the_figure_check_reads_figures_and_their_sources() -> None:
-    # The README quotes the SmolLM2 learning run's accuracies beside docs/smollm2.md.
-    assert ("0.58", False, ["docs/smollm2.md"]) in [f[:3] for f in quoted_figures()]
+    # The README quotes the SmolLM2 learning run's accuracies beside docs/real_models.md.
+    assert ("0.58", False, ["docs/real_models.md"]) in [f[:3] for f in quoted_figures()]
     assert appears("0.58", False, "| 0.141 | 0.312 | **0.578** |")
     assert not appears("0.58", False, "0.5 and 0.6, 0.585, 1.58")
     assert appears("17", True, "+0.44 in 16 min 43 s wall")

@@ -12,6 +12,8 @@ Servers, each a context manager that always tears its server down:
 Data: `small_hf_state` (an HF-named state with awkward shapes), `sharp_hf_state` (a tiny
 model's random weights, sharpened), `flip_tensor_bit` (tamper with one tensor of an export),
 `bf16_reference` (bfloat16 rounding by bit arithmetic, independent of ml_dtypes and jax).
+Checks: `our_logprobs` (the project's teacher-forced log-probs, what a server's `score` is
+compared with), `max_diff`.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
+from models import fp8
+from models.functional import token_logprobs
 from models.hf_io import random_hf_state_dict
 from rollout_bridge.weights import TENSOR_FILE
 from rollout_bridge.weights.safetensors_io import read_safetensors_header
@@ -447,3 +452,28 @@ def serve_processes(model_dir: Path, logs: Path, n: int) -> Iterator[list[ServeP
     finally:
         for p in procs:
             p.kill()
+
+
+# -- checks against a server's scores -----------------------------------------------------------
+
+
+def our_logprobs(
+    graphdef: Any, params: Any, seqs: Sequence[Sequence[int]], recipe: str = "bf16"
+) -> list[np.ndarray]:
+    """Teacher-forced logprobs of our model on right-padded sequences, entry 0 = 0 (the layout
+    of `HttpBackend.score`)."""
+    width = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    mask = np.zeros_like(tokens)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+        mask[i, : len(s)] = 1
+    lp = token_logprobs(
+        graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), recipe=fp8.get_recipe(recipe)
+    )
+    lp = np.asarray(lp)
+    return [lp[i, : len(s)] for i, s in enumerate(seqs)]
+
+
+def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))

@@ -19,18 +19,18 @@ import shutil
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bridge_support import ROOT, TINY_VLLM_KEY, flip_tensor_bit
+from bridge_support import ROOT, TINY_VLLM_KEY, flip_tensor_bit, max_diff, our_logprobs
 
 from jfp8rl.trainer.backends import push_params
 from models import fp8
 from models.config import ModelConfig, get_config
-from models.functional import forward, init_model, token_logprobs
+from models.functional import forward, init_model
 from models.hf_io import to_hf_state_dict
 from rollout_bridge.backend import RolloutError, SamplingParams
 from rollout_bridge.client.http_backend import HttpBackend
@@ -48,25 +48,6 @@ def tiny_cfg() -> ModelConfig:
     # vLLM's CPU attention supports head_dim in {32, 64, 80, ...}: the tiny preset's 16 is
     # refused ("Unsupported CPU attention configuration"), so widen the heads.
     return get_config("tiny_qwen2_vllm", compute_dtype=jnp.float32)
-
-
-def our_logprobs(graphdef, params, seqs: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    """Teacher-forced logprobs of our model on right-padded sequences, entry 0 = 0."""
-    width = max(len(s) for s in seqs)
-    tokens = np.zeros((len(seqs), width), np.int32)
-    mask = np.zeros_like(tokens)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = s
-        mask[i, : len(s)] = 1
-    lp = token_logprobs(
-        graphdef, params, jnp.asarray(tokens), jnp.asarray(mask), recipe=fp8.get_recipe("bf16")
-    )
-    lp = np.asarray(lp)
-    return [lp[i, : len(s)] for i, s in enumerate(seqs)]
-
-
-def max_diff(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
 
 
 @dataclasses.dataclass

