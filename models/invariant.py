@@ -58,17 +58,35 @@ CHUNK = 128
 _NEG_INF = -1e30
 
 
+@jax.custom_jvp
 def exact_mul(a: Array, b: Array) -> Array:
     """a * b in f32, the correctly rounded product, which the compiler can never contract with
     a following addition into a fused multiply-add: whether LLVM contracts `a * b + c` depends
     on how XLA fused and vectorised the surrounding loop, so two programs (a decode step and a
     training forward) would round the same formula differently. The product's bits pass
     through an integer xor with a zero the compiler cannot see (an optimisation barrier's
-    output), which leaves the value as it is and keeps the multiply a multiply."""
+    output), which leaves the value as it is and keeps the multiply a multiply.
+
+    Differentiable as the product it is (`_exact_mul_jvp`): the integer round trip alone has no
+    derivative, and a gradient through it would silently be zero."""
+    return _exact_product(a, b)
+
+
+def _exact_product(a: Array, b: Array) -> Array:
     p = a.astype(jnp.float32) * b.astype(jnp.float32)
     zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.uint32))
     bits = jax.lax.bitcast_convert_type(p, jnp.uint32) ^ zero
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@exact_mul.defjvp
+def _exact_mul_jvp(primals: tuple[Array, Array], tangents: tuple[Array, Array]):
+    """d(a b) = da b + a db, in f32; the value is `exact_mul`'s own bits."""
+    a, b = primals
+    da, db = tangents
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    tangent = jnp.asarray(da, jnp.float32) * b32 + a32 * jnp.asarray(db, jnp.float32)
+    return _exact_product(a, b), tangent
 
 
 def tree_sum(x: Array, axis: int = -1, *, keepdims: bool = False) -> Array:

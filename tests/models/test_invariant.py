@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from models import functional as F
@@ -198,3 +199,31 @@ def test_exact_attention_against_float64_and_decode():
         got = np.asarray(dec(q1, kc, vc, jnp.full((b,), pos, jnp.int32)))[:, 0]
         for r in range(b):
             np.testing.assert_array_equal(got[r], out[r, first[r] + pos])
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch_invariant"])
+def test_gradients_through_the_exact_products(invariant: bool) -> None:
+    """The trainer differentiates the log-prob head at a sampling temperature (the logits
+    scaled by `exact_mul`) and, in a batch-invariant model, the exact norms and attention: the
+    gradient equals that of the same function written with plain products (the default model's
+    forward, then log_softmax(logits / T)), not the zero an integer round trip would give."""
+    cfg, gd, params = policy(True, invariant=invariant)
+    _, gd_plain, _ = policy(True, invariant=False)
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, (2, 9)), jnp.int32)
+    mask = jnp.ones_like(tokens)
+    recipe, temperature = get_recipe("bf16"), 0.7
+
+    def ours(p):
+        return F.token_logprobs(gd, p, tokens, mask, recipe=recipe, temperature=temperature).sum()
+
+    def plain(p):
+        logits = F.forward(gd_plain, p, tokens, mask, recipe=recipe)[:, :-1] / temperature
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).sum()
+
+    got, want = jax.grad(ours)(params), jax.grad(plain)(params)
+    norm = float(optax.tree.norm(want))
+    assert norm > 1.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=2e-4 * norm)
