@@ -133,7 +133,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Session fixtures worth building once: their users form one xdist group (one worker), so the
 # tiny vLLM server starts once and the real models' transformers references are computed once.
 # The two real models share a group: their trainers and vLLM servers (a 0.5B trainer holds
-# ~11 GB) run one at a time, never side by side on one machine's memory.
+# ~14 GB) run one at a time, never side by side on one machine's memory.
 SHARED_FIXTURES = {
     "tiny_vllm": "tiny_vllm",
     "smollm2_dir": "real_models",

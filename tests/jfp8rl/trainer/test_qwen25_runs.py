@@ -8,7 +8,7 @@ vLLM has no block-FP8 kernels without AMX, so the push is `fp8_fp32`: the traine
 weights as fp32 `q * s`) they equal the project's model on exactly those FP8 weights, read back
 from the pushed tensors, and differ from the unpushed ones by the FP8 rounding. The server
 stops before the run: then two steps of the config through the embedded engine (the trainer as
-a user runs it, tests/jfp8rl/real_model_run.py; a 0.5B trainer holds ~11 GB, so it does not run
+a user runs it, tests/jfp8rl/real_model_run.py; a 0.5B trainer holds ~14 GB, so it does not run
 beside a server), with the rollout dumps checked: Qwen's end of turn `<|im_end|>` (151645) ends
 a finished response and nothing runs past it, each reward is the config's verifier's
 (`math_natural`).
