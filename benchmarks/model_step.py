@@ -19,6 +19,13 @@ alive and timed in turns (`--rounds` rounds of `--steps` passes each, medians), 
 machine's load falls on both alike. Prints both losses (they must agree) and
 
     model_step: jax/torch = X.XXx (bf16 recipe), Y.YYx (fp8_block)
+
+`--model DIR --head-share`: what the vocabulary costs the trainer. The same loss's
+forward+backward against the trunk's alone (the final-normed hidden states, no LM head or
+log-softmax), both timed in turns, with XLA's compiled memory of each; the difference is the
+LM head and chunked log-probs. Prints, per recipe,
+
+    model_step: head share = X% of forward+backward time, Y MiB of Z MiB (V=..., recipe)
 """
 
 from __future__ import annotations
@@ -164,6 +171,51 @@ def bench_against_torch(model: str, batch: int, seq: int, steps: int, rounds: in
           f"{med['torch'] / med['fp8_block']:.2f}x (fp8_block)")  # fmt: skip
 
 
+def bench_head_share(model: str, batch: int, seq: int, steps: int, rounds: int) -> None:
+    """The LM head's and log-probs' part of a real model's forward+backward (module doc)."""
+    from models.hf_io import load_hf
+
+    cfg, graphdef, params = load_hf(model, compute_dtype=jnp.float32)
+    tokens = jnp.asarray(
+        np.random.RandomState(0).randint(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+    )
+    mask = jnp.ones(tokens.shape, jnp.int32)
+    print(f"forward+backward, {model}: V={cfg.vocab_size}, d={cfg.hidden_size}, "
+          f"{cfg.num_layers} layers, B={batch}, T={seq}, f32 compute, {jax.default_backend()}, "
+          f"medians of {rounds} rounds x {steps} steps")  # fmt: skip
+    for name in ("bf16", "fp8_block"):
+        recipe = fp8.get_recipe(name)
+
+        def whole(p, recipe=recipe):
+            return -F.token_logprobs(
+                graphdef, p, tokens, mask, recipe=recipe, chunk_size=128
+            ).mean()
+
+        def trunk(p, recipe=recipe):
+            h = F.hidden_states(graphdef, p, tokens, mask, recipe=recipe)
+            return h.astype(jnp.float32).mean()
+
+        progs = {k: jax.jit(jax.value_and_grad(f)).lower(params).compile()
+                 for k, f in (("whole", whole), ("trunk", trunk))}  # fmt: skip
+        times: dict[str, list[float]] = {k: [] for k in progs}
+        for _ in range(rounds):
+            for k, compiled in progs.items():
+                jax.block_until_ready(compiled(params))  # this round's first: not timed
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    out = compiled(params)
+                jax.block_until_ready(out)
+                times[k].append((time.perf_counter() - t0) / steps)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        mem = {k: _mem_bytes(c) for k, c in progs.items()}
+        share = (med["whole"] - med["trunk"]) / med["whole"]
+        print(f"{name:<10} whole {med['whole']:.3f} s/step {mem['whole'] / 2**20:.0f} MiB, "
+              f"trunk {med['trunk']:.3f} s/step {mem['trunk'] / 2**20:.0f} MiB")  # fmt: skip
+        print(f"model_step: head share = {100 * share:.0f}% of forward+backward time, "
+              f"{(mem['whole'] - mem['trunk']) / 2**20:.0f} MiB of {mem['whole'] / 2**20:.0f} MiB "
+              f"(V={cfg.vocab_size}, {name})", flush=True)  # fmt: skip
+
+
 def bench_logprobs_memory(vocab: int, seq: int, d: int, chunk: int) -> None:
     cfg = ModelConfig(
         arch="qwen3",
@@ -212,6 +264,10 @@ def main() -> None:
     ap.add_argument("--model", help="an HF folder: time it against --peer (f32 compute)")
     ap.add_argument("--peer", choices=["torch"], default="torch")
     ap.add_argument("--rounds", type=int, default=3, help="--model: alternating rounds")
+    ap.add_argument(
+        "--head-share", action="store_true",
+        help="--model: the LM head's part of forward+backward time and memory (no peer)",
+    )  # fmt: skip
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -228,6 +284,9 @@ def main() -> None:
     ap.add_argument("--lp-seq", type=int, default=4096)
     ap.add_argument("--lp-chunk", type=int, default=256)
     args = ap.parse_args()
+    if args.model and args.head_share:
+        bench_head_share(args.model, args.batch, args.seq, args.steps, args.rounds)
+        return
     if args.model:
         bench_against_torch(args.model, args.batch, args.seq, args.steps, args.rounds)
         return
