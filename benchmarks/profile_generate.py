@@ -10,7 +10,9 @@ the JAX primitive it came from (read from the compiled program's HLO, dumped for
 The sums are thread seconds (two threads on a 2-core machine: they add up to more than the
 wall time); the prefill's GEMMs have the prompt rows x length as their first dimension, the
 decode loop's the rows alone. `--score` profiles the teacher-forced scoring of the prompts ++
-`--new-tokens` random tokens instead (the `score_logprobs` program).
+`--new-tokens` random tokens instead (the `score_logprobs` program). The last line sums the
+ops whose output has the vocabulary's size (the LM head, log-softmax, sampling): what the
+vocabulary costs a call.
 
     .venv/bin/python benchmarks/profile_generate.py --model DIR [--recipe fp8_block]
         [--batch 36] [--prompt-len 48] [--new-tokens 64] [--top 30] [--score]
@@ -122,6 +124,11 @@ def main() -> None:
     print(f"{'thread s':>9} {'calls':>7}  op kind, output shape, primitive")
     for what, s in by_what.most_common(args.top):
         print(f"{s:9.3f} {n_what[what]:7d}  {what}")
+    vocab = engine.cfg.vocab_size
+    head = sum(s for what, s in by_what.items() if re.search(rf"\b{vocab}\b", what))
+    total = sum(by_what.values())
+    print(f"profile_generate: ops with a vocabulary-sized output (V={vocab}: LM head, "
+          f"log-softmax, sampling) {head:.2f} of {total:.2f} thread s ({100 * head / total:.0f}%)")  # fmt: skip
     engine.close()
 
 
