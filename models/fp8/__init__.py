@@ -5,11 +5,14 @@
   operand tiles, FP8-stored weights.
 - `matmul`: `fp8_dot_general` with its custom VJP (fprop, dgrad, wgrad) and `make_dot_general`.
 - `kernels`: the Hopper Pallas kernels of the block recipe (`backend="pallas"`).
+- `grouped`: `grouped_dot`, the FP8 grouped GEMM of Mixture-of-Experts layers (tokens sorted by
+  expert, one weight per expert; every expert's GEMMs quantized as the dense ones).
 
-The public names of `recipe`, `quantization` and `matmul` are re-exported here:
+The public names of `recipe`, `quantization`, `matmul` and `grouped` are re-exported here:
 `from models import fp8; fp8.quantize(...)`.
 """
 
+from models.fp8.grouped import grouped_dot
 from models.fp8.matmul import DimensionNumbers, fp8_dot_general, make_dot_general
 from models.fp8.quantization import (
     StoredFP8Weight,
@@ -70,6 +73,7 @@ __all__ = [
     "fake_quantize_operand",
     "fake_quantize_weight",
     "fp8_dot_general",
+    "grouped_dot",
     "get_recipe",
     "make_dot_general",
     "nonfinite_count",

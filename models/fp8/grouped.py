@@ -1,0 +1,173 @@
+"""The FP8 grouped GEMM of Mixture-of-Experts layers: tokens sorted by expert times one weight
+per expert, `y[t] = x[t] @ w[expert(t)]`, as `jax.lax.ragged_dot` computes it.
+
+`grouped_dot(x [T, K], w [E, K, N], group_sizes [E], recipe)`: the rows of `x` are sorted by
+expert, `group_sizes[e]` of them for expert e (their sum is at most T; rows past it give 0).
+Under an FP8 recipe every expert's three GEMMs quantize their operands exactly as the dense
+`models.fp8.fp8_dot_general` quantizes one GEMM's operands, with the expert's rows as that
+GEMM's rows: a grouped GEMM is E dense GEMMs, and its FP8 values are those of a loop over the
+experts (`tests/models/test_fp8_grouped.py` checks it against such a loop in float64 numpy).
+
+    fprop  y_e  = Q(x_e) . Q(w_e)          contracted over K
+    dgrad  dx_e = Q(g_e) . Q(w_e)^T        contracted over N
+    wgrad  dw_e = Q(x_e)^T . Q(g_e)        contracted over the expert's tokens
+
+with each operand's tiles taken along its own GEMM's contraction axis (`quantization.
+operand_tile`): 1 x B activation and gradient tiles, B x B weight blocks per expert; "row" one
+scale per token (along K or N) or per column of the expert's tokens (wgrad); "tensor" one scale
+per expert's operand, never one across experts, so a token's numbers do not depend on which
+other experts the batch routed to. Tiles along the tokens (wgrad) start at each expert's first
+row, as they would in the expert's own GEMM. Per-token tiles never cross experts; for the others
+the amax is a segment max over (expert, tile) segments, so no [E, T, K] padded copy is built.
+
+Backend "emulate" only (f32 `ragged_dot` of the dequantized operands, f32 accumulation); the
+Hopper kernel in grouped form is not written yet. Non-quantized recipes run `ragged_dot` with the
+weights cast to the activations' dtype, like the dense baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from models.fp8.quantization import compute_scale, fake_quantize_operand, round_to_format
+from models.fp8.recipe import FP8_MAX, Format, Granularity, Recipe
+
+
+def group_ids(group_sizes: Int[Array, " E"], rows: int) -> Int[Array, " T"]:
+    """The expert of each of `rows` sorted rows (rows past the groups get E, no expert)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")
+
+
+def _segments(
+    gid: Int[Array, " T"], group_sizes: Int[Array, " E"], token_tile: int | None
+) -> tuple[Int[Array, " T"], int]:
+    """Each row's token segment and how many there can be: the whole expert (None), the row
+    itself (1), or tiles of `token_tile` rows counted from the expert's first row."""
+    rows, experts = gid.shape[0], group_sizes.shape[0]
+    if token_tile is None:
+        return gid, experts + 1
+    if token_tile == 1:
+        return jnp.arange(rows), rows
+    starts = jnp.concatenate([jnp.zeros(1, group_sizes.dtype), jnp.cumsum(group_sizes)])
+    pos = jnp.arange(rows) - starts[gid]
+    per_expert = -(-rows // token_tile)
+    return gid * per_expert + pos // token_tile, (experts + 1) * per_expert
+
+
+def fake_quantize_grouped(
+    x: Float[Array, "T C"],
+    group_sizes: Int[Array, " E"],
+    fmt: Format,
+    token_tile: int | None,
+    col_tile: int | None,
+    *,
+    pow2: bool,
+) -> Float[Array, "T C"]:
+    """dequantize(quantize(x)) in f32 with tiles of `token_tile` rows within an expert (None:
+    all the expert's rows) by `col_tile` columns (None: all)."""
+    rows, cols = x.shape
+    x = x.astype(jnp.float32)
+    ct = cols if col_tile is None else min(col_tile, cols)
+    padded = jnp.pad(x, ((0, 0), (0, -cols % ct))).reshape(rows, -1, ct)
+    amax = jnp.max(jnp.abs(padded), axis=-1)  # [T, column tiles]; a NaN stays NaN
+    seg, n = _segments(group_ids(group_sizes, rows), group_sizes, token_tile)
+    if token_tile != 1:
+        amax = jax.ops.segment_max(amax, seg, num_segments=n)[seg]
+    scale = compute_scale(amax, fmt, pow2)[..., None]
+    fmax = jnp.float32(FP8_MAX[fmt])
+    y = round_to_format(jnp.clip(padded / scale, -fmax, fmax), fmt) * scale
+    return y.reshape(rows, -1)[:, :cols]
+
+
+def _operand_tiles(granularity: Granularity, block: int, contract_tokens: bool):
+    """(token tile, column tile) of a [T, C] activation or gradient operand."""
+    if granularity == "tensor":
+        return None, None
+    if granularity == "row":
+        return (None, 1) if contract_tokens else (1, None)
+    return (block, 1) if contract_tokens else (1, block)
+
+
+def _token_operand(
+    x: Array, group_sizes: Array, fmt: Format, granularity: Granularity, recipe: Recipe,
+    contract_tokens: bool,
+) -> Array:  # fmt: skip
+    """An activation or gradient operand [T, C] quantized for a GEMM contracting over C
+    (`contract_tokens` False) or over each expert's tokens (True)."""
+    tt, ct = _operand_tiles(granularity, recipe.block_size, contract_tokens)
+    return fake_quantize_grouped(x, group_sizes, fmt, tt, ct, pow2=recipe.pow2_scales)
+
+
+def _expert_weight(w: Float[Array, "E K N"], recipe: Recipe, contract_axis: int) -> Array:
+    """Each expert's weight quantized as a dense GEMM's weight operand (contraction -2: K for
+    the forward, -1: N for dgrad); "tensor" is one scale per expert."""
+    if recipe.weight_granularity == "tensor":
+        quant = functools.partial(
+            fake_quantize_operand, fmt=recipe.fwd_format, contract_axis=contract_axis,
+            granularity="tensor", role="weight", recipe=recipe,
+        )  # fmt: skip
+        return jax.vmap(lambda we: quant(we))(w)
+    return fake_quantize_operand(
+        w, recipe.fwd_format, contract_axis, recipe.weight_granularity, "weight", recipe
+    )
+
+
+def _ragged(a: Array, b: Array, group_sizes: Array) -> Array:
+    return jax.lax.ragged_dot(
+        a, b, group_sizes, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped_fp8(x: Array, w: Array, group_sizes: Array, recipe: Recipe) -> Array:
+    r = recipe
+    xq = _token_operand(x, group_sizes, r.fwd_format, r.act_granularity, r, False)
+    return _ragged(xq, _expert_weight(w, r, -2), group_sizes).astype(x.dtype)
+
+
+def _grouped_fp8_fwd(x, w, group_sizes, recipe):
+    return _grouped_fp8(x, w, group_sizes, recipe), (x, w, group_sizes)
+
+
+def _grouped_fp8_bwd(recipe, res, g):
+    x, w, group_sizes = res
+    r = recipe
+    # dgrad: dx_e = g_e [T_e, N] . w_e^T [N, K], summed over N.
+    gq_d = _token_operand(g, group_sizes, r.bwd_format, r.grad_granularity, r, False)
+    wq_d = _expert_weight(w, r, -1)
+    dx = _ragged(gq_d, jnp.swapaxes(wq_d, -1, -2), group_sizes)
+    # wgrad: dw_e = x_e^T [K, T_e] . g_e [T_e, N], summed over the expert's tokens: the
+    # transpose of ragged_dot in its weight argument.
+    xq_w = _token_operand(x, group_sizes, r.fwd_format, r.act_granularity, r, True)
+    gq_w = _token_operand(g, group_sizes, r.bwd_format, r.grad_granularity, r, True)
+    _, pullback = jax.vjp(lambda wf: _ragged(xq_w, wf, group_sizes), w.astype(jnp.float32))
+    (dw,) = pullback(gq_w)
+    zero_sizes = jnp.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dx.astype(x.dtype), dw.astype(w.dtype), zero_sizes
+
+
+_grouped_fp8.defvjp(_grouped_fp8_fwd, _grouped_fp8_bwd)
+
+
+def grouped_dot(
+    x: Float[Array, "T K"],
+    w: Float[Array, "E K N"],
+    group_sizes: Int[Array, " E"],
+    recipe: Recipe,
+) -> Float[Array, "T N"]:
+    """`jax.lax.ragged_dot(x, w, group_sizes)` with the recipe's FP8 operands (module doc);
+    differentiable in x and w."""
+    if not recipe.quantized:
+        return jax.lax.ragged_dot(
+            x, w.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32
+        ).astype(x.dtype)
+    if recipe.backend != "emulate":
+        raise NotImplementedError(
+            f"grouped_dot: recipe {recipe.name!r} backend {recipe.backend!r}; only 'emulate' "
+            "has a grouped form (use get_recipe(name) without backend=)"
+        )
+    return _grouped_fp8(x, w, group_sizes.astype(jnp.int32), recipe)
