@@ -1,10 +1,10 @@
 """Checkpoints that prove themselves, and saves that fail without loss.
 
-One tiny run (4 steps, a checkpoint every 2: checkpoints 2 and 4 kept) is made once for the
-module; every test damages a copy of its run folder. Damage is each of three kinds (cut to half
-its size, one flipped bit, deleted) in each kind of file: the state's array data (the largest
-OCDBT data file), the state's metadata (`_METADATA`, `_sharding`), the project's meta JSON and
-the manifest itself. The resumed runs must equal the uninterrupted run from the checkpoint
+One tiny run (4 steps, a checkpoint every 2: checkpoints 2 and 4 kept), made once for the
+session (`tiny_full_run`); every test damages a copy of its run folder. Damage is each of three
+kinds (cut to half its size, one flipped bit, deleted) in each kind of file: the state's array
+data (the largest OCDBT data file), the state's metadata (`_METADATA`, `_sharding`), the
+project's meta JSON and the manifest itself. The resumed runs must equal the uninterrupted run from the checkpoint
 they fall back to (step 2): the source run itself, which a resume from 2 reproduces exactly
 (tests/jfp8rl/trainer/test_train_e2e.py).
 """
@@ -33,7 +33,7 @@ from jfp8rl.trainer.checkpoint import (
     newest_intact,
     steps_on_disk,
 )
-from jfp8rl.trainer.loop import resume_point, run
+from jfp8rl.trainer.loop import resume_point
 
 pytestmark = pytest.mark.slow  # a whole run or more: scheduled first
 
@@ -43,11 +43,11 @@ DAMAGES = ("cut", "flip", "delete")
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    run_dir = tmp_path_factory.mktemp("source")
-    run(load_config(TINY, small(run_dir, cache_dir)))
-    assert steps_on_disk(checkpoints_dir(run_dir)) == [2, 4]
-    return run_dir
+def source(tiny_full_run: Path) -> Path:
+    """The session's tiny run (tests/jfp8rl/conftest.py), shared with tests/jfp8rl/trainer/
+    test_train_e2e.py; every test here damages a copy."""
+    assert steps_on_disk(checkpoints_dir(tiny_full_run)) == [2, 4]
+    return tiny_full_run
 
 
 def data_file(step_dir: Path) -> str:

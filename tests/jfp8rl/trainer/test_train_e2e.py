@@ -44,10 +44,9 @@ TIMING_PREFIXES = ("timing/", "throughput/")
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    run_dir = tmp_path_factory.mktemp("full")
-    run(load_config(TINY, small(run_dir, cache_dir)))
-    return run_dir
+def full_run(tiny_full_run: Path) -> Path:
+    """The session's tiny run (tests/jfp8rl/conftest.py), shared with the checkpoint tests."""
+    return tiny_full_run
 
 
 def test_every_metric_finite_and_outputs_loadable(full_run: Path) -> None:
