@@ -68,7 +68,7 @@ def moe_block(
     weights, experts = route(xf, router, top_k, norm_topk_prob, routing)
     flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
     order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=experts_total).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=experts_total)
     rows = xf[order // top_k]
     h = jax.nn.silu(grouped_dot(rows, w_gate, sizes, recipe)) * grouped_dot(
         rows, w_up, sizes, recipe

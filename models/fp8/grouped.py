@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.fp8.quantization import compute_scale, fake_quantize_operand, round_to_format
-from models.fp8.recipe import FP8_MAX, Format, Granularity, Recipe
+from models.fp8.quantization import fake_quantize_operand, round_to_format, scaled_by_amax
+from models.fp8.recipe import Format, Granularity, Recipe
 
 
 def group_ids(group_sizes: Int[Array, " E"], rows: int) -> Int[Array, " T"]:
@@ -77,10 +77,8 @@ def fake_quantize_grouped(
     seg, n = _segments(group_ids(group_sizes, rows), group_sizes, token_tile)
     if token_tile != 1:
         amax = jax.ops.segment_max(amax, seg, num_segments=n)[seg]
-    scale = compute_scale(amax, fmt, pow2)[..., None]
-    fmax = jnp.float32(FP8_MAX[fmt])
-    y = round_to_format(jnp.clip(padded / scale, -fmax, fmax), fmt) * scale
-    return y.reshape(rows, -1)[:, :cols]
+    y, scale = scaled_by_amax(padded, amax[..., None], fmt, pow2)
+    return (round_to_format(y, fmt) * scale).reshape(rows, -1)[:, :cols]
 
 
 def _operand_tiles(granularity: Granularity, block: int, contract_tokens: bool):
@@ -110,7 +108,7 @@ def _expert_weight(w: Float[Array, "E K N"], recipe: Recipe, contract_axis: int)
             fake_quantize_operand, fmt=recipe.fwd_format, contract_axis=contract_axis,
             granularity="tensor", role="weight", recipe=recipe,
         )  # fmt: skip
-        return jax.vmap(lambda we: quant(we))(w)
+        return jax.vmap(quant)(w)
     return fake_quantize_operand(
         w, recipe.fwd_format, contract_axis, recipe.weight_granularity, "weight", recipe
     )

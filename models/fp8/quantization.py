@@ -123,9 +123,15 @@ def _scaled_tiles(
     inner = tuple(range(1, xt.ndim, 2))
     amax = jnp.max(jnp.abs(xt), axis=inner, keepdims=True) if xt.size else jnp.zeros_like(xt)
     # A NaN in the group must poison the scale: max() propagates NaN, abs(inf) = inf.
+    return *scaled_by_amax(xt, amax, fmt, pow2), inner
+
+
+def scaled_by_amax(x: Array, amax: Array, fmt: Format, pow2: bool) -> tuple[Array, Array]:
+    """(clip(x / s, -fmax, fmax), s) for the scale s of each element's group amax (`amax`
+    broadcasts against f32 x): the step every tiling shares once its amax is known."""
     scale = compute_scale(amax, fmt, pow2)
     fmax = jnp.float32(FP8_MAX[fmt])
-    return jnp.clip(xt / scale, -fmax, fmax), scale, inner
+    return jnp.clip(x / scale, -fmax, fmax), scale
 
 
 # Per format: mantissa bits and the exponent of the smallest normal (below it the grid is the
