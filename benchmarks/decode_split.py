@@ -41,7 +41,7 @@ def decode_split(engine: Any, rows: int, cache_len: int, repeats: int) -> dict[s
     (an `EmbeddedBackend`) at `rows` rows and a `cache_len`-slot cache."""
     cfg, graphdef, params = engine.cfg, engine.graphdef, engine.params
     recipe = engine._forward_recipe
-    dot_general = fp8.make_dot_general(recipe)
+    dot_general = mf.dot_general_for(cfg, recipe)
     filled = cache_len // 2
     cache = decoding.init_cache(cfg, rows, cache_len, kv_cache_dtype=engine.kv_cache_dtype,
                                 kv_scales=engine.kv_scales)  # fmt: skip
@@ -65,7 +65,7 @@ def decode_split(engine: Any, rows: int, cache_len: int, repeats: int) -> dict[s
     @jax.jit
     def layers(params, tokens):
         model = nnx.merge(graphdef, params)
-        h, _ = model.hidden_states(
+        h, _, _ = model.hidden_states(
             tokens[:, None],
             jnp.full((rows, 1), filled, jnp.int32),
             lambda i, q, k, v, carry: (q, carry),

@@ -1,4 +1,4 @@
-"""The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3) as Flax NNX modules.
+"""The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama 3) as Flax NNX modules.
 
 Module attribute names follow the HF checkpoints, so the name map in `hf_state.py` is a plain
 table. The decoder layers are *stacked*: `model.layers` is one `DecoderLayer` whose params carry
@@ -18,7 +18,8 @@ with depth).
 
 Precision: params are `cfg.param_dtype` (f32 masters). Activations run in `cfg.compute_dtype`.
 Every attention/MLP projection calls the `dot_general` passed at call time (the recipe's FP8 or
-plain one), so the same params run under any recipe. Embedding lookup, RMSNorm (f32 inside),
+plain one, `models.fp8.RecipeDot`), so the same params run under any recipe; Mixture-of-Experts
+layers run their experts through its `grouped` GEMM and keep their router in f32. Embedding lookup, RMSNorm (f32 inside),
 attention scores + softmax (f32) and the LM head (f32 accumulation, f32 logits) stay high
 precision, as in DeepSeek-V3's FP8 recipe.
 """
@@ -38,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from models import fp8, invariant
 from models.config import ModelConfig, RematPolicy
+from models.moe import moe_block
 from models.sharding import constrain_batch
 
 DotGeneral = Callable[..., Array]
@@ -313,14 +315,58 @@ class MLP(nnx.Module):
         return self.down_proj(h, dot_general)
 
 
+class Experts(nnx.Module):
+    """An MoE layer's SwiGLU experts, stacked on a leading expert axis: `gate_proj` and
+    `up_proj` [E, D, I], `down_proj` [E, I, D] (HF: one [out, in] tensor per expert,
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        self.gate_proj = nnx.Param(_normal(rngs, (e, d, f), cfg.param_dtype))
+        self.up_proj = nnx.Param(_normal(rngs, (e, d, f), cfg.param_dtype))
+        self.down_proj = nnx.Param(_normal(rngs, (e, f, d), cfg.param_dtype))
+
+
+class SparseMoE(nnx.Module):
+    """Qwen3-MoE's sparse MLP (`models.moe.moe_block`): the router `gate` (kernel [D, E], run in
+    f32, never FP8) and the experts, run as the recipe's grouped GEMMs."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, cfg=cfg, rngs=rngs)
+        self.experts = Experts(cfg, rngs=rngs)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def __call__(
+        self,
+        x: Float[Array, "B T D"],
+        dot_general: DotGeneral,
+        routing: Int[Array, "B T k"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Int[Array, "B T k"]]:
+        """The block's output and each token's experts (`routing`: experts to replay)."""
+        recipe = getattr(dot_general, "recipe", None)
+        if recipe is None:
+            raise TypeError(
+                "an MoE layer needs the recipe's GEMMs as a models.fp8.RecipeDot "
+                "(models.functional.dot_general_for), not a bare dot_general"
+            )
+        e = self.experts
+        y, experts = moe_block(
+            x, self.gate.kernel[...], e.gate_proj[...], e.up_proj[...], e.down_proj[...],
+            top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, recipe=recipe,
+            routing=None if routing is None else routing.reshape(-1, self.top_k),
+        )  # fmt: skip
+        return y, experts.reshape(*x.shape[:-1], self.top_k)
+
+
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)) (residual stream in compute dtype)."""
+    """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)) (residual stream in compute dtype);
+    the MLP is a `SparseMoE` in Mixture-of-Experts models."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = SparseMoE(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
 
     def __call__(
         self,
@@ -330,10 +376,16 @@ class DecoderLayer(nnx.Module):
         attend: Attend,
         carry: Any,
         dot_general: DotGeneral,
-    ) -> tuple[Float[Array, "B T D"], Any]:
+        routing: Int[Array, "B T k"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "B T k"] | None]:
+        """(x, carry, the experts each token was routed to: None for a dense MLP)."""
         a, carry = self.self_attn(self.input_layernorm(x), cos, sin, attend, carry, dot_general)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x), dot_general), carry
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoE):
+            y, routed = self.mlp(h, dot_general, routing)
+            return x + y, carry, routed
+        return x + self.mlp(h, dot_general), carry, None
 
 
 class Embed(nnx.Module):
@@ -397,8 +449,10 @@ class Decoder(nnx.Module):
         *,
         carry: Any = None,
         remat: RematPolicy = "none",
-    ) -> tuple[Float[Array, "B T D"], Any]:
-        """Final-normed hidden states (compute dtype) and the final `carry`.
+        routing: Int[Array, "L B T k"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "L B T k"] | None]:
+        """Final-normed hidden states (compute dtype), the final `carry`, and in an MoE model
+        the experts every layer routed each token to (None for dense models).
 
         One `lax.scan` over the stacked layers (or, with the layers held per layer, L unrolled
         calls: module docstring): step i merges layer i's params and runs x <- layer_i(x),
@@ -406,7 +460,8 @@ class Decoder(nnx.Module):
         self-attention for a full forward; a KV-cache write + read when decoding, the cache
         being the `carry`). `remat` is the layer body's `jax.checkpoint` policy
         (`REMAT_POLICIES`); a non-"none" policy needs `carry=None`, since a rematerialised body
-        must not thread state (decoding passes "none").
+        must not thread state (decoding passes "none"). `routing` replays given experts in
+        the MoE layers instead of the router's choice (routing replay).
         """
         cfg = self.cfg
         if remat not in REMAT_POLICIES:
@@ -419,31 +474,43 @@ class Decoder(nnx.Module):
         x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
         layer_def, layer_params = nnx.split(self.model.layers)
 
-        def layer(params_i: nnx.State, x: Array, carry: Any, i: Any) -> tuple[Array, Any]:
+        def layer(
+            params_i: nnx.State, x: Array, carry: Any, i: Any, routing_i: Array | None
+        ) -> tuple[Array, Any, Array | None]:
             def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
                 return attend_at(i, q, k, v, c)
 
             # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
             params_i = fp8.dense_weights(params_i)
-            x, carry = nnx.merge(layer_def, params_i)(x, cos, sin, attend, carry, dot_general)
-            return constrain_batch(x), carry
+            x, carry, routed = nnx.merge(layer_def, params_i)(
+                x, cos, sin, attend, carry, dot_general, routing_i
+            )
+            return constrain_batch(x), carry, routed
 
         if remat != "none":
             # prevent_cse=False: inside a scan CSE cannot undo the recomputation (jax docs).
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
-        def body(state: tuple[Array, Any], xs: tuple[nnx.State, Array]) -> tuple[Any, None]:
-            params_i, i = xs
-            return layer(params_i, *state, i), None
+        def body(state: tuple[Array, Any], xs: tuple[Any, ...]) -> tuple[Any, Array | None]:
+            params_i, i, routing_i = xs
+            x, carry, routed = layer(params_i, *state, i, routing_i)
+            return (x, carry), routed
 
         per_layer = per_layer_params(layer_params, cfg.num_layers)
         if per_layer is not None:
+            routed_all = []
             for i, params_i in enumerate(per_layer):
-                x, carry = layer(params_i, x, carry, i)
+                x, carry, routed = layer(
+                    params_i, x, carry, i, None if routing is None else routing[i]
+                )
+                routed_all.append(routed)
                 # x is materialised between layers, as in the scan: a fusion across two layers
                 # could skip a rounding to the compute dtype (XLA's bf16 excess precision).
                 x = jax.lax.optimization_barrier(x)
-            return self.model.norm(x), carry
+            stacked = jnp.stack(routed_all) if cfg.is_moe else None
+            return self.model.norm(x), carry, stacked
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, carry), _ = jax.lax.scan(body, (x, carry), (layer_params, layer_ids))
-        return self.model.norm(x), carry
+        (x, carry), routed = jax.lax.scan(
+            body, (x, carry), (layer_params, layer_ids, routing)
+        )
+        return self.model.norm(x), carry, routed

@@ -164,7 +164,7 @@ def prefill(
         k_pos, v_pos = rotate_rows(k, first), rotate_rows(v, first)
         return attend(i, q, k, v), _write_layer(layers, i, k_pos, v_pos, cache.scales, start)
 
-    h, (k_all, v_all) = model.hidden_states(
+    h, (k_all, v_all), _ = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
@@ -211,7 +211,7 @@ def decode_step(
             return out, layers
         return reference_attention(q, k_i, v_i, allowed, heads_major=True), layers
 
-    h, (k_all, v_all) = model.hidden_states(
+    h, (k_all, v_all), _ = model.hidden_states(
         token[:, None],
         pos[:, None],
         attend_at,

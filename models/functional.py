@@ -108,7 +108,7 @@ def hidden_states(
     def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
         return attend(i, q, k, v), carry
 
-    h, _ = model.hidden_states(
+    h, _, _ = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
@@ -118,11 +118,12 @@ def hidden_states(
     return h
 
 
-def dot_general_for(cfg: ModelConfig, recipe: fp8.Recipe):
-    """The linear layers' `dot_general` under `recipe`, with at least `invariant.MIN_ROWS` rows
-    per GEMM when `cfg.batch_invariant` (`models.invariant`, rule 1)."""
+def dot_general_for(cfg: ModelConfig, recipe: fp8.Recipe) -> fp8.RecipeDot:
+    """The layers' GEMMs under `recipe` (`models.fp8.RecipeDot`: the linear layers'
+    `dot_general` and the MoE experts' grouped GEMM), with at least `invariant.MIN_ROWS` rows
+    per dense GEMM when `cfg.batch_invariant` (`models.invariant`, rule 1)."""
     dot = fp8.make_dot_general(recipe)
-    return invariant.rows_padded(dot) if cfg.batch_invariant else dot
+    return fp8.RecipeDot(invariant.rows_padded(dot) if cfg.batch_invariant else dot, recipe)
 
 
 class Head(NamedTuple):

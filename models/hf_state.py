@@ -2,7 +2,10 @@
 
 Tensors in HF layout are [out, in]; our `Linear.kernel` is [in, out] and our untied `lm_head`
 is [D, V], so those are transposed both ways; everything else is copied as is. Layer params are
-stacked on a leading layer axis ([L, ...]) and map to one HF tensor per layer. Files and
+stacked on a leading layer axis ([L, ...]) and map to one HF tensor per layer; an MoE layer's
+expert weights are stacked on a second axis ([L, E, ...]) and map to one HF tensor per layer
+and expert (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, as Qwen3-MoE checkpoints and
+vLLM's loader lay them out). Files and
 folders are `models.hf_io`'s concern; this module converts between in-memory state dicts
 ({HF name: numpy array}) and params.
 """
@@ -23,8 +26,9 @@ from models.config import ModelConfig
 from models.functional import Params, abstract_model
 from models.sharding import host_array
 
-# One row per tensor kind: (HF name with {i} for the layer, our path, transposed?). Layer paths are
-# relative to `model.layers`, whose params are stacked on a leading layer axis.
+# One row per tensor kind: (HF name with {i} for the layer and {e} for the expert, our path,
+# transposed?). Layer paths are relative to `model.layers`, whose params are stacked on a leading
+# layer axis (and the experts' on a second, expert axis).
 _EMBED = [("model.embed_tokens.weight", ("model", "embed_tokens", "embedding"), False)]
 _FINAL = [("model.norm.weight", ("model", "norm", "weight"), False)]
 _LM_HEAD = [("lm_head.weight", ("lm_head",), True)]
@@ -50,23 +54,39 @@ _MLP = [
     (_L + f"mlp.{n}_proj.weight", ("mlp", f"{n}_proj", "kernel"), True)
     for n in ("gate", "up", "down")
 ]
+# Qwen3-MoE's sparse MLP: the router and each expert's SwiGLU (HF modeling_qwen3_moe).
+_MOE = [(_L + "mlp.gate.weight", ("mlp", "gate", "kernel"), True)] + [
+    (_L + f"mlp.experts.{{e}}.{n}_proj.weight", ("mlp", "experts", f"{n}_proj"), True)
+    for n in ("gate", "up", "down")
+]
 # Per-architecture layer tables (HF modeling_qwen2 / modeling_qwen3 / modeling_llama).
 # Qwen2 always has q/k/v biases; Llama and Qwen3 get them only with `attention_bias`.
 LAYER_NAME_MAPS: dict[str, list[tuple[str, tuple[str, ...], bool]]] = {
     "qwen2": _NORMS + _ATTN + _QKV_BIAS + _MLP,
     "qwen3": _NORMS + _ATTN + _QK_NORM + _MLP,
+    "qwen3_moe": _NORMS + _ATTN + _QK_NORM + _MOE,
     "llama": _NORMS + _ATTN + _MLP,
 }
 
 
 class HFTensor(NamedTuple):
     """One HF tensor: `name` <-> `params[path]` (with `[layer]` on the leading axis of a stacked
-    layer param, `layer` None otherwise), transposed ([out, in] <-> our [in, out]) or not."""
+    layer param, `layer` None otherwise, and `[layer, expert]` for an MoE expert's weight),
+    transposed ([out, in] <-> our [in, out]) or not."""
 
     name: str
     path: tuple[str, ...]
     layer: int | None
     transposed: bool
+    expert: int | None = None
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """The leading indices of the param this tensor is a slice of: (), (layer,) or
+        (layer, expert)."""
+        if self.layer is None:
+            return ()
+        return (self.layer,) if self.expert is None else (self.layer, self.expert)
 
 
 # Tensors some HF checkpoints carry that the model does not use.
@@ -82,7 +102,12 @@ def hf_name_map(cfg: ModelConfig) -> list[HFTensor]:
         layer_rows += _QKV_BIAS
     for i in range(cfg.num_layers):
         for hf, ours, transposed in layer_rows:
-            rows.append(HFTensor(hf.format(i=i), (*LAYERS_PATH, *ours), i, transposed))
+            path = (*LAYERS_PATH, *ours)
+            if "{e}" not in hf:
+                rows.append(HFTensor(hf.format(i=i), path, i, transposed))
+                continue
+            for e in range(cfg.num_experts):
+                rows.append(HFTensor(hf.format(i=i, e=e), path, i, transposed, e))
     rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _FINAL]
     if not cfg.tie_word_embeddings:
         rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _LM_HEAD]
@@ -102,8 +127,8 @@ def _set(tree: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
 
 
 def _hf_shape(row: HFTensor, param_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF tensor's shape for a param of `param_shape` (stacked: [L, ...])."""
-    shape = param_shape[1:] if row.layer is not None else param_shape
+    """The HF tensor's shape for a param of `param_shape` (stacked: [L, ...] or [L, E, ...])."""
+    shape = param_shape[len(row.index) :]
     return shape[::-1] if row.transposed else shape
 
 
@@ -117,13 +142,18 @@ def hf_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "dtype"))
-def _hf_tensor(x: jax.Array, layer: jax.Array | None, *, transposed: bool, dtype: Any) -> jax.Array:
+def _hf_tensor(
+    x: jax.Array, index: tuple[jax.Array, ...], *, transposed: bool, dtype: Any
+) -> jax.Array:
     """One tensor in HF layout and `dtype`, made on the device(s) holding `x` into a fresh
-    buffer: the layer slice and the cast (one elementwise pass), then the transpose. An
+    buffer: the slice `x[index]` (layer, expert) and the cast (one elementwise pass), then the
+    transpose. An
     optimization barrier keeps the transpose apart: XLA:CPU fuses a slice or a cast into a
     transpose as an elementwise loop that is slower than the two passes apart (the export stage
     of `benchmarks/weight_sync.py` includes this fetch)."""
-    y = x if layer is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+    y = x
+    for i in index:
+        y = jax.lax.dynamic_index_in_dim(y, i, keepdims=False)
     y = y.astype(dtype)
     if transposed:
         y = jax.lax.optimization_barrier(y).T
@@ -151,8 +181,8 @@ def iter_hf_state(
             row.name,
             _hf_tensor(
                 _get(pure, row.path),
-                # A host scalar: jnp.int32 would run a device program of its own per tensor.
-                None if row.layer is None else np.int32(row.layer),
+                # Host scalars: jnp.int32 would run a device program of its own per tensor.
+                tuple(np.int32(i) for i in row.index),
                 transposed=row.transposed,
                 dtype=dtype,
             ),
@@ -245,8 +275,9 @@ def _assemble(
     dtype: Any,
     sharding: Any,
 ) -> jax.Array:
-    """One param from its HF tensor(s): transposed back, stacked over layers when `rows` are the
-    L layers of a stacked param, cast to `dtype` (via f32), placed by `sharding`."""
+    """One param from its HF tensor(s): transposed back, stacked over layers (and experts) when
+    `rows` are the L (x E) slices of a stacked param, cast to `dtype` (via f32), placed by
+    `sharding`."""
 
     def block(index: tuple[slice, ...]) -> np.ndarray:
         # The [index] block of the param, built from only the HF tensors it touches.
@@ -254,11 +285,21 @@ def _assemble(
             x = np.asarray(tensors[row.name])
             return x.T if row.transposed else x
 
-        if rows[0].layer is None:
+        lead = len(rows[0].index)
+        if lead == 0:
             x = ours(rows[0])[index]
         else:
-            layer_ids = range(len(rows))[index[0]] if index else range(len(rows))
-            x = np.stack([ours(rows[i])[index[1:]] for i in layer_ids])
+            # rows in (layer, expert) order: the [L, E] grid of slices, cut to `index`.
+            by_index = {r.index: r for r in rows}
+            ids = [range(n)[index[a]] if index else range(n) for a, n in enumerate(shape[:lead])]
+            rest = index[lead:]
+            grid = np.empty([len(r) for r in ids], dtype=object)
+            for pos in np.ndindex(*grid.shape):
+                key = tuple(ids[a][p] for a, p in enumerate(pos))
+                grid[pos] = ours(by_index[key])[rest]
+            x = np.stack([grid[pos] for pos in np.ndindex(*grid.shape)]).reshape(
+                *grid.shape, *grid.flat[0].shape
+            )
         # Via f32 (exact from any float format); f32 -> bf16 rounds to nearest even, as jax.
         same = x.dtype == jnp.dtype(dtype)
         return x if same else x.astype(np.float32).astype(jnp.dtype(dtype))

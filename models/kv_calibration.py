@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from models import fp8
 from models.decoder import Decoder
-from models.functional import Params, positions_from_mask, self_attention
+from models.functional import Params, dot_general_for, positions_from_mask, self_attention
 from models.kv_quant import KVScales, kv_scales_from_amax
 
 
@@ -40,11 +40,11 @@ def kv_amax(
         return attend(i, q, k, v), tuple(a.at[i].set(n) for a, n in zip(amax, new, strict=True))
 
     zeros = jnp.zeros((cfg.num_layers,), jnp.float32)
-    _, amax = model.hidden_states(
+    _, amax, _ = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
-        fp8.make_dot_general(recipe),
+        dot_general_for(model.cfg, recipe),
         carry=(zeros, zeros),
     )
     return amax

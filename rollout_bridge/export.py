@@ -46,8 +46,12 @@ ExportFormat = Literal["fp32", "bf16", "fp8", "fp8_fp32"]
 EXPORT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp8", "fp8_fp32")
 FP8_BLOCK_SIZE = 128
 # Decoder linears only: the embedding / LM head stay high precision as in DeepSeek-V3 and
-# Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers.
-_FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+# Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers. An MoE layer's
+# experts are FP8 one [out, in] weight per expert (as Qwen3-MoE FP8 checkpoints hold them and
+# vLLM's Fp8MoEMethod loads them); its router (`mlp.gate`) stays high precision.
+_FP8_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.\w+_proj\.weight$"
+)
 
 
 def is_fp8_linear(name: str, shape: tuple[int, ...]) -> bool:

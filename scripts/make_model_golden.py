@@ -5,7 +5,9 @@ across versions), so a fixture stores only the seed, the input tokens/mask and t
 transformers runs in the vLLM venv (tests/reference/client.py; the project venv has no torch),
 so build that first:
 
-    scripts/setup_vllm_env.sh && .venv/bin/python scripts/make_model_golden.py
+    scripts/setup_vllm_env.sh && .venv/bin/python scripts/make_model_golden.py [PRESET ...]
+
+(default: every preset of GOLDEN_PRESETS).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(ROOT / "tests" / "reference"))
 from client import run_reference  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "models" / "golden"
-GOLDEN_PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama")
+GOLDEN_PRESETS = ("tiny_qwen2", "tiny_qwen3", "tiny_llama", "tiny_qwen3_moe")
 SEED = 1234
 T = 24  # longer than the tiny llama's original_max_position_embeddings (16): exercises scaling
 
@@ -47,9 +49,9 @@ def write_hf_folder(folder: Path, cfg_dict: dict, tensors: dict[str, np.ndarray]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
     GOLDEN_DIR.mkdir(parents=True, exist_ok=True)
-    for name in GOLDEN_PRESETS:
+    for name in names or GOLDEN_PRESETS:
         cfg = get_config(name)
         tensors = random_hf_state_dict(cfg, SEED)
         tokens, mask = golden_inputs(cfg.vocab_size)
@@ -71,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -24,8 +24,9 @@
 Arms: BF16; FP8 tensor and FP8 block, each with plain clipping, calibrated `track`,
 calibrated `hold`, and lower-only (`hold`, `upper_rule: plain`); FP8 tensor plain and hold
 again with E5M2 output gradients (`<arm>_e5m2`: `train.grad_format=e5m2`, the backward GEMMs'
-gradient operand; the E4M3 arms keep the default). Token TIS (C = 2) in all; the rollout
-engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
+gradient operand; the E4M3 arms keep the default); FP8 block plain and hold with exact
+on-policy rollouts (`fp8_block_exact_<clip>`: `rollout.on_policy=exact`). Token TIS (C = 2)
+in all; the rollout engine uses the arm's recipe (BF16 rollouts for the BF16 arm).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ for _recipe in ("fp8_tensor", "fp8_block"):
 # E5M2 gradients (the study's stress list): the per-tensor arms, plain and hold.
 for _clip in ("plain", "hold"):
     ARMS[f"fp8_tensor_{_clip}_e5m2"] = [*ARMS[f"fp8_tensor_{_clip}"], "train.grad_format=e5m2"]
+# Exact on-policy rollouts (`rollout.on_policy=exact`: the engine's log-probs equal the
+# trainer's bit for bit, and the trainer takes them as the old log-probs), plain and `hold`.
+for _clip in ("plain", "hold"):
+    ARMS[f"fp8_block_exact_{_clip}"] = [*ARMS[f"fp8_block_{_clip}"], "rollout.on_policy=exact"]
 KEY_ARMS = ("bf16", "fp8_tensor_plain", "fp8_tensor_hold")
 
 

@@ -1,4 +1,5 @@
-"""The decoder's architecture: one frozen dataclass for Qwen2/Qwen2.5, Qwen3 and Llama 3.
+"""The decoder's architecture: one frozen dataclass for Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and
+Llama 3.
 
 `ModelConfig` is hashable (it lives in the NNX graphdef, which is a static jit argument), so the
 Llama-3 `rope_scaling` dict is frozen into a tuple of items on construction and handed back as a
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-Arch = Literal["qwen2", "qwen3", "llama"]
+Arch = Literal["qwen2", "qwen3", "qwen3_moe", "llama"]
 RematPolicy = Literal["none", "full", "save_dots"]
 AttentionImpl = Literal["auto", "reference", "chunked", "cudnn"]
 REMAT_CHOICES: tuple[str, ...] = ("none", "full", "save_dots")
@@ -25,6 +26,7 @@ ATTENTION_CHOICES: tuple[str, ...] = ("auto", "reference", "chunked", "cudnn")
 HF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "llama": "LlamaForCausalLM",
 }
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -35,10 +37,10 @@ _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 class ModelConfig:
     """Architecture hyper-parameters, named as in this code base (HF names in `to_hf_config`)."""
 
-    arch: Arch  # "qwen2" | "qwen3" | "llama": picks the HF class and the weight name map
+    arch: Arch  # "qwen2" | "qwen3" | "qwen3_moe" | "llama": the HF class and weight name map
     vocab_size: int  # rows of the embedding and of the LM head
     hidden_size: int  # model width d
-    intermediate_size: int  # SwiGLU hidden width
+    intermediate_size: int  # SwiGLU hidden width (of a dense MLP)
     num_layers: int  # decoder blocks (HF: num_hidden_layers)
     num_heads: int  # query heads
     num_kv_heads: int  # key/value heads (GQA); num_heads % num_kv_heads == 0
@@ -70,6 +72,21 @@ class ModelConfig:
     # the trainer's bit for bit. Attention runs by position-aligned key chunks (`attention` is
     # then not used) and token GEMMs get at least 64 rows. Set by `rollout.on_policy: exact`.
     batch_invariant: bool = False
+    # Mixture-of-Experts (arch "qwen3_moe", `models.moe`): every decoder layer's MLP is
+    # `num_experts` SwiGLU experts of width `moe_intermediate_size`, `num_experts_per_tok` of
+    # them per token, picked by a softmax router (their weights renormalised to sum 1 when
+    # `norm_topk_prob`). `router_aux_loss_coef` is the checkpoint's load-balancing coefficient,
+    # kept for config.json (the RL loss adds no auxiliary loss unless the trainer asks).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the decoder layers' MLPs are Mixture-of-Experts blocks."""
+        return self.num_experts > 0
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCHITECTURES:
@@ -98,7 +115,8 @@ class ModelConfig:
                     f"ModelConfig(arch='qwen2'): head_dim={self.head_dim} must equal "
                     f"hidden_size/num_heads={self.hidden_size}/{self.num_heads}"
                 )
-        if self.qk_norm and self.arch != "qwen3":
+        self._check_moe()
+        if self.qk_norm and self.arch not in ("qwen3", "qwen3_moe"):
             raise ValueError(f"ModelConfig: qk_norm is a Qwen3 feature, arch={self.arch!r}")
         if self.rope_scaling is not None:
             items = (
@@ -117,6 +135,27 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
 
+    def _check_moe(self) -> None:
+        if (self.arch == "qwen3_moe") != self.is_moe:
+            raise ValueError(
+                f"ModelConfig: arch={self.arch!r} with num_experts={self.num_experts}: arch "
+                "'qwen3_moe' needs num_experts >= 1, and no other arch has experts"
+            )
+        if not self.is_moe:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig: num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"1..num_experts={self.num_experts}"
+            )
+        if self.moe_intermediate_size < 1:
+            raise ValueError("ModelConfig: qwen3_moe needs moe_intermediate_size >= 1")
+        if self.batch_invariant:
+            raise ValueError(
+                "ModelConfig: batch_invariant (rollout.on_policy=exact) is not built for "
+                "Mixture-of-Experts layers; use rollout.on_policy=off"
+            )
+
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         """The RoPE scaling as HF's dict (or None)."""
         return None if self.rope_scaling is None else dict(self.rope_scaling)
@@ -127,8 +166,11 @@ class ModelConfig:
             changes["rope_scaling"] = self.rope_scaling_dict()
         return dataclasses.replace(self, **changes)
 
-    def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+    def num_params(self, *, active: bool = False) -> int:
+        """Parameter count (embedding counted once when tied); `active`: an MoE model's
+        parameters one token uses (its `num_experts_per_tok` experts, not all of them)."""
+        if active and self.is_moe:
+            return self.replace(num_experts=self.num_experts_per_tok).num_params()
         d, f, h, k, hd = (
             self.hidden_size,
             self.intermediate_size,
@@ -138,7 +180,10 @@ class ModelConfig:
         )
         attn = d * hd * (h + 2 * k) + h * hd * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
         attn += 2 * hd if self.qk_norm else 0
-        layer = attn + 3 * d * f + 2 * d
+        mlp = 3 * d * f
+        if self.is_moe:
+            mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
+        layer = attn + mlp + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
 
@@ -174,6 +219,7 @@ class ModelConfig:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type == "default":
                 rope_scaling = None
+        moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
         if model_type == "qwen2":
             qkv_bias = True
         else:
@@ -197,10 +243,11 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
+            **moe,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -233,8 +280,19 @@ class ModelConfig:
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
         else:
             hf.update(attention_bias=self.qkv_bias)
-        if self.arch == "qwen3":
+        if self.arch in ("qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        if self.is_moe:
+            hf.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                output_router_logits=False,
+            )
         if self.arch == "llama":
             hf.update(mlp_bias=False, pretraining_tp=1)
         if self.bos_token_id is not None:
@@ -242,3 +300,30 @@ class ModelConfig:
         if self.eos_token_id is not None:
             hf["eos_token_id"] = self.eos_token_id
         return hf
+
+
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE config.json (transformers 5 writes `num_experts` as
+    `num_local_experts`). Every layer must be sparse: a mix of dense and MoE layers
+    (`mlp_only_layers`, `decoder_sparse_step` > 1) would need two layer stacks, not built."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    missing = [
+        k for k, v in (("num_experts", experts),
+                       *((k, hf.get(k)) for k in ("num_experts_per_tok", "moe_intermediate_size")))
+        if v is None
+    ]  # fmt: skip
+    if missing:
+        raise ValueError(f"config.json (qwen3_moe): missing keys {missing}")
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(
+            f"config.json (qwen3_moe): mlp_only_layers={hf.get('mlp_only_layers')} "
+            f"decoder_sparse_step={hf.get('decoder_sparse_step')}: only models whose every "
+            "layer is an MoE layer are supported (mlp_only_layers=[], decoder_sparse_step=1)"
+        )
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+    )

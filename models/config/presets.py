@@ -46,7 +46,8 @@ _TINY_ARITH = dict(
 )
 
 # The tiny_* presets cover every feature: qkv bias + tied head (qwen2), q/k norm with
-# head_dim != hidden/heads (qwen3), llama3 RoPE scaling with an untied head (llama).
+# head_dim != hidden/heads (qwen3), llama3 RoPE scaling with an untied head (llama), top-2 of 8
+# experts in every layer (qwen3_moe).
 PRESETS: dict[str, ModelConfig] = {
     "tiny_qwen2": ModelConfig(
         arch="qwen2",
@@ -63,6 +64,20 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         qk_norm=True,
+    ),
+    # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised), every layer sparse.
+    "tiny_qwen3_moe": ModelConfig(
+        arch="qwen3_moe",
+        **{**_TINY, "head_dim": 32},
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
     ),
     # The smallest shape a CPU vLLM serves: its CPU attention refuses head_dim 16.
     "tiny_qwen2_vllm": ModelConfig(
@@ -117,6 +132,29 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960,
         bos_token_id=151643,
         eos_token_id=151645,
+    ),
+    # Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (30.5B parameters, 3.3B active).
+    "qwen3_30b_a3b": ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.001,
     ),
     "qwen3_8b": ModelConfig(
         arch="qwen3",

@@ -3,7 +3,8 @@
 - `recipe`: `Recipe`, the presets and their registry `RECIPES`, `get_recipe`.
 - `quantization`: current per-tile scaling (the scaling rules), quantize / dequantize, GEMM
   operand tiles, FP8-stored weights.
-- `matmul`: `fp8_dot_general` with its custom VJP (fprop, dgrad, wgrad) and `make_dot_general`.
+- `matmul`: `fp8_dot_general` with its custom VJP (fprop, dgrad, wgrad), `make_dot_general`, and
+  `RecipeDot` (a recipe's dense and grouped GEMMs, as the model's layers call them).
 - `kernels`: the Hopper Pallas kernels of the block recipe (`backend="pallas"`).
 - `grouped`: `grouped_dot`, the FP8 grouped GEMM of Mixture-of-Experts layers (tokens sorted by
   expert, one weight per expert; every expert's GEMMs quantized as the dense ones).
@@ -13,7 +14,7 @@ The public names of `recipe`, `quantization`, `matmul` and `grouped` are re-expo
 """
 
 from models.fp8.grouped import grouped_dot
-from models.fp8.matmul import DimensionNumbers, fp8_dot_general, make_dot_general
+from models.fp8.matmul import DimensionNumbers, RecipeDot, fp8_dot_general, make_dot_general
 from models.fp8.quantization import (
     StoredFP8Weight,
     compute_scale,
@@ -64,6 +65,7 @@ __all__ = [
     "Format",
     "Granularity",
     "Recipe",
+    "RecipeDot",
     "Role",
     "StoredFP8Weight",
     "compute_scale",

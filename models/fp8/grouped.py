@@ -102,7 +102,11 @@ def _token_operand(
 
 def _expert_weight(w: Float[Array, "E K N"], recipe: Recipe, contract_axis: int) -> Array:
     """Each expert's weight quantized as a dense GEMM's weight operand (contraction -2: K for
-    the forward, -1: N for dgrad); "tensor" is one scale per expert."""
+    the forward, -1: N for dgrad); "tensor" is one scale per expert. Weights that hold their
+    forward FP8 values already (`recipe.prequantized_weights`, the rollout engine's) pass as
+    they are in the forward."""
+    if recipe.prequantized_weights and contract_axis == -2:
+        return w.astype(jnp.float32)
     if recipe.weight_granularity == "tensor":
         quant = functools.partial(
             fake_quantize_operand, fmt=recipe.fwd_format, contract_axis=contract_axis,

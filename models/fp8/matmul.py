@@ -14,14 +14,17 @@ order of the f32 sums), and it is the reference the `pallas` Hopper kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from models.fp8.grouped import grouped_dot
 from models.fp8.kernels import block_matmul
 from models.fp8.quantization import fake_quantize_operand, fake_quantize_weight
 from models.fp8.recipe import Recipe
@@ -130,6 +133,22 @@ def fp8_dot_general(
         [lhs.shape[i] for i in lb] + [lhs.shape[i] for i in lfree] + [rhs.shape[i] for i in rfree]
     )
     return y.reshape(out_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeDot:
+    """A recipe's GEMMs as a model's layers call them: called, it is the linear layers'
+    `dot_general` (`dense`: `make_dot_general(recipe)`, possibly wrapped); `grouped(x, w,
+    group_sizes)` is the Mixture-of-Experts layers' grouped GEMM under the same recipe."""
+
+    dense: Callable[..., Array]
+    recipe: Recipe
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Array:
+        return self.dense(*args, **kwargs)
+
+    def grouped(self, x: Array, w: Array, group_sizes: Array) -> Array:
+        return grouped_dot(x, w, group_sizes, self.recipe)
 
 
 def make_dot_general(recipe: Recipe) -> Callable[..., Array]:

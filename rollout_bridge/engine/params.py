@@ -49,7 +49,8 @@ def served_params(
     """The params of an export as exported, before `install`: every tensor in its exported
     dtype (bf16 stays bf16), and each FP8 `weight` + `weight_scale_inv` pair as a
     `models.fp8.StoredFP8Weight` (e4m3 codes [L, in, out] and f32 block scales
-    [L, in/B, out/B], B from `quantization_config`), which the model expands to w = q * s one
+    [L, in/B, out/B], B from `quantization_config`; an MoE layer's experts [L, E, in, out] and
+    [L, E, in/B, out/B]), which the model expands to w = q * s one
     layer at a time inside its layer scan. The values the model computes with are those of
     the f32 widening, so compact and dense give the same logits bit for bit."""
     scales = {n: x for n, x in tensors.items() if n.endswith(_SCALE_SUFFIX)}
@@ -73,10 +74,13 @@ def served_params(
             raise RolloutError(f"embedded: export lacks FP8 scales {missing[:3]} of {path}")
         # HF [out, in] blocks -> our [in, out] kernel: the scale grid transposes with it.
         s = np.stack([np.asarray(scales[n], np.float32).T for n in names])
-        if rows[0].layer is None:
-            s = s[0]
+        # rows in (layer, expert) order -> [L, ...] or [L, E, ...] (unstacked: one scale grid)
+        lead = [max(r.index[a] for r in rows) + 1 for a in range(len(rows[0].index))]
+        s = s.reshape(*lead, *s.shape[1:])
         leaf = node(params, path)
-        leaf.set_value(fp8.StoredFP8Weight(leaf.get_value(), jnp.asarray(s), tuple(block)))
+        # The tile of one layer's slice: an expert axis is tiled one expert at a time.
+        tile = (1,) * (len(lead) - 1) + tuple(block)
+        leaf.set_value(fp8.StoredFP8Weight(leaf.get_value(), jnp.asarray(s), tile))
     return params
 
 

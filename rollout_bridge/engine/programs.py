@@ -176,6 +176,8 @@ def install_layer(w: Any, *, recipe: Recipe, dtype: Any) -> Array:
     """One layer's kernel [..., in, out] -> its operand (`install_kernels`); leading axes
     (a layer's experts) are mapped over, each matrix quantized on its own."""
     if (w.q if isinstance(w, fp8.StoredFP8Weight) else w).ndim > 2:
+        if isinstance(w, fp8.StoredFP8Weight):  # each expert's matrix has the trailing tile
+            w = fp8.StoredFP8Weight(w.q, w.scale, w.tile[1:])
         return jax.vmap(functools.partial(install_layer, recipe=recipe, dtype=dtype))(w)
     tile = fp8.operand_tile(2, -2, recipe.weight_granularity, "weight", recipe.block_size)
     if isinstance(w, fp8.StoredFP8Weight) and recipe.quantized and own_operand(w, recipe, tile):

@@ -29,10 +29,28 @@ def test_hf_config_round_trip(name):
         ("qwen2.5_7b", 7.62e9),
         ("qwen2.5_32b", 32.76e9),
         ("llama3.1_8b", 8.03e9),
+        ("qwen3_30b_a3b", 30.5e9),
     ],
 )
 def test_real_presets_match_published_sizes(name, published):
     assert PRESETS[name].num_params() == pytest.approx(published, rel=0.01)
+
+
+def test_moe_active_parameters_and_config_json_dialects():
+    """Qwen3-30B-A3B's 3.3B active parameters (its model card); transformers 5's
+    `num_local_experts` is read as `num_experts`; a checkpoint with dense layers among the MoE
+    ones is refused, naming the keys."""
+    cfg = PRESETS["qwen3_30b_a3b"]
+    assert cfg.num_params(active=True) == pytest.approx(3.3e9, rel=0.02)
+    hf = cfg.to_hf_config()
+    hf["num_local_experts"] = hf.pop("num_experts")
+    assert ModelConfig.from_hf_config(hf) == cfg
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]"):
+        ModelConfig.from_hf_config({**cfg.to_hf_config(), "mlp_only_layers": [0]})
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be in 1..num_experts=8"):
+        get_config("tiny_qwen3_moe", num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        get_config("tiny_qwen3_moe", batch_invariant=True)
 
 
 def test_byte_tokenizer_presets():

@@ -36,7 +36,7 @@ def unrolled_logits(graphdef, params, tokens, mask):
 
     for i in range(cfg.num_layers):
         layer = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_params))
-        x, _ = layer(x, cos, sin, attend, None, dot_general)
+        x, _, _ = layer(x, cos, sin, attend, None, dot_general)
     h = model.model.norm(x)
     return jnp.einsum("btd,dv->btv", h, model.head_kernel(), preferred_element_type=jnp.float32)
 

@@ -37,9 +37,12 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path):
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
     assert hf_cfg["model_type"] == cfg.arch
     assert hf_cfg["architectures"] == [
-        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[
-            cfg.arch
-        ]
+        {
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+        }[cfg.arch]
     ]
     assert load_tokenizer(tmp_path).encode("7*6=42").ids == list(b"7*6=42")
 

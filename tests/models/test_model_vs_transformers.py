@@ -1,4 +1,5 @@
-"""Logits of the tiny qwen2 / qwen3 / llama configs against transformers' PyTorch models (f32).
+"""Logits of the tiny qwen2 / qwen3 / llama / qwen3_moe configs against transformers' PyTorch
+models (f32).
 
 Golden fixtures (tests/models/golden/*.npz, made by scripts/make_model_golden.py) always run;
 the live comparisons run transformers in the vLLM venv (fixture `transformers_ref`,
@@ -86,3 +87,21 @@ def test_saved_folder_loads_in_transformers_with_same_logits(name, tmp_path, tra
     assert np.abs(ours - out["logits"])[real].max() < TOL
     meta, _ = transformers_ref("tokenize", folder=str(tmp_path), texts=["2+3=5"])
     assert meta["decoded"] == ["2+3=5"]
+
+
+@pytest.mark.vllm
+def test_live_moe_without_topk_renormalisation(tmp_path, transformers_ref):
+    """Qwen3-MoE with `norm_topk_prob: false` (the experts' weights are the router's raw
+    probabilities), initialised and run by transformers, loaded through the name map."""
+    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32, norm_topk_prob=False)
+    tokens, mask = left_padded_batch(cfg.vocab_size, 20, (0, 6))
+    folder = tmp_path / "hf"
+    _, out = transformers_ref(
+        "random_init", hf_config=cfg.to_hf_config(), seed=1, folder=str(folder),
+        arrays={"tokens": np.asarray(tokens), "mask": np.asarray(mask)},
+    )  # fmt: skip
+    loaded_cfg, graphdef, params = load_hf(folder, compute_dtype=jnp.float32)
+    assert not loaded_cfg.norm_topk_prob
+    ours = np.asarray(forward(graphdef, params, tokens, mask, recipe=fp8.BF16))
+    real = np.asarray(mask).astype(bool)
+    assert np.abs(ours - out["logits"])[real].max() < TOL

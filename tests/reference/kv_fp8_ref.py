@@ -21,7 +21,6 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from models import fp8
 from models import functional as mf
 
 _CODES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -107,7 +106,7 @@ def reference_logits(
         out = jax.pure_callback(host, shape, q, k, v, allowed, k_scale[i], v_scale[i])
         return out.astype(q.dtype), carry
 
-    h, _ = decoder.hidden_states(
-        tokens, mf.positions_from_mask(mask), attend_at, fp8.make_dot_general(recipe)
+    h, _, _ = decoder.hidden_states(
+        tokens, mf.positions_from_mask(mask), attend_at, mf.dot_general_for(decoder.cfg, recipe)
     )
     return jnp.einsum("btd,dv->btv", h, decoder.head_kernel(), preferred_element_type=jnp.float32)

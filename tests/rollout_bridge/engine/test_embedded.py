@@ -509,3 +509,75 @@ def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, f
         np.testing.assert_array_equal(a, b)
     eng.close()
     per_step.close()
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    """tiny Qwen3-MoE (8 experts, top 2), sharpened weights, f32 compute."""
+    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32)
+    graphdef, _ = mf.abstract_model(cfg)
+    hf = sharp_hf_state(cfg, 1)
+    return cfg, graphdef, from_hf_state_dict(cfg, hf), hf
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
+def test_moe_greedy_and_scores_equal_full_forward(moe_model, recipe):
+    """The engine decodes a Mixture-of-Experts model: its greedy tokens are the stepwise argmax
+    of the full forward (every decode step routes its one token anew), and its scores equal
+    `token_logprobs`."""
+    cfg, graphdef, params, _ = moe_model
+    eng = EmbeddedBackend(cfg, graphdef, params, recipe=recipe, eos_id=None, max_len=128)
+    out = eng.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    for c in out:
+        want_ids, want_lp = _ref_greedy(graphdef, params, PROMPTS[c.prompt_index], 8, eng.recipe)
+        np.testing.assert_array_equal(c.response_ids, want_ids)
+        np.testing.assert_allclose(c.logprobs, want_lp, atol=2e-3)
+    assert len({tuple(c.response_ids) for c in out}) == 3
+    seqs = [list(c.prompt_ids) + list(c.response_ids) for c in out]
+    buf = np.zeros((len(seqs), T_REF), np.int32)
+    mask = np.zeros_like(buf)
+    for r, seq in enumerate(seqs):
+        buf[r, : len(seq)], mask[r, : len(seq)] = seq, 1
+    want = np.asarray(_ref_token_logprobs(graphdef, params, buf, mask, recipe=eng.recipe))
+    for r, got in enumerate(eng.score(seqs)):
+        np.testing.assert_allclose(got, want[r, : len(seqs[r])], atol=1e-4)
+
+
+def test_moe_block_fp8_push_installs_each_experts_operand(moe_model, tmp_path):
+    """A block-FP8 export of an MoE model holds one e4m3 weight and one scale grid per expert
+    (as vLLM's FP8 MoE checkpoints do) and a high-precision router; the engine installs each
+    expert's weight as q * s, the trainer's forward operand of that expert bit for bit, and
+    scores like the trainer's recipe on what it serves (the masters' FP8 operands and the
+    export's bf16 embedding, router, norms and head)."""
+    cfg, graphdef, params, hf = moe_model
+    recipe = get_recipe("fp8_block")
+    eng = EmbeddedBackend(
+        cfg, graphdef, params, recipe="fp8_block", eos_id=EOS, export_root=tmp_path,
+        export_format="fp8",
+    )  # fmt: skip
+    eng.push_weights(hf, "moe-1")
+    tensors, _ = load_export(tmp_path / "moe-1")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv" in tensors
+    assert "model.layers.0.mlp.gate.weight_scale_inv" not in tensors
+    experts = eng.params["model"]["layers"]["mlp"]["experts"]
+    masters = params["model"]["layers"]["mlp"]["experts"]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        for layer in range(cfg.num_layers):
+            installed = np.asarray(experts[name].get_value().slices[layer])
+            want = jax.vmap(lambda w: fp8.fake_quantize_weight(w, recipe))(
+                masters[name].get_value()[layer]
+            )
+            np.testing.assert_array_equal(installed, np.asarray(want))
+    # The trainer on what was served: the FP8 experts and linears from their masters (the
+    # same operands, as checked), every other tensor as exported (bf16, widened).
+    served = {
+        n: hf[n] if n + "_scale_inv" in tensors else np.asarray(tensors[n], np.float32) for n in hf
+    }
+    seqs = np.random.default_rng(0).integers(0, 256, (4, 40)).tolist()
+    tokens = np.asarray(seqs, np.int32)
+    want = np.asarray(
+        _ref_token_logprobs(
+            graphdef, from_hf_state_dict(cfg, served), tokens, np.ones_like(tokens), recipe=recipe
+        )
+    )
+    np.testing.assert_allclose(np.stack(eng.score(seqs)), want, atol=1e-4)
