@@ -510,7 +510,5 @@ class Decoder(nnx.Module):
             stacked = jnp.stack(routed_all) if cfg.is_moe else None
             return self.model.norm(x), carry, stacked
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, carry), routed = jax.lax.scan(
-            body, (x, carry), (layer_params, layer_ids, routing)
-        )
+        (x, carry), routed = jax.lax.scan(body, (x, carry), (layer_params, layer_ids, routing))
         return self.model.norm(x), carry, routed
