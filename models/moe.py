@@ -13,8 +13,9 @@ Dropless: every routed pair is computed, whatever the load, so no capacity facto
 which tokens lose their expert (the grouped GEMM takes any group sizes).
 
 `routing`: the experts to use instead of the router's choice, [N, k] (routing replay: the
-rollout's choices replayed in the trainer). The weights are still the router's probabilities
-of those experts, so gradients reach the router through the gates of the replayed experts.
+rollout's choices replayed in the trainer); a token with a negative entry keeps the router's
+own choice. The weights are still the router's probabilities of the experts used, so gradients
+reach the router through the gates of the replayed experts.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ def route(
         x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     probs = jax.nn.softmax(logits, axis=-1)
-    if routing is None:
-        weights, experts = jax.lax.top_k(probs, top_k)
-    else:
-        experts = routing.astype(jnp.int32)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if routing is not None:
+        # A token whose recorded choice is unknown (any entry < 0: a pad, or the last token of
+        # a sample, which the rollout never fed) keeps the router's own.
+        replay = jnp.all(routing >= 0, axis=-1, keepdims=True)
+        experts = jnp.where(replay, routing.astype(jnp.int32), experts)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

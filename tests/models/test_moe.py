@@ -105,6 +105,13 @@ def test_routing_replay_uses_the_given_experts_and_reaches_the_router() -> None:
     np.testing.assert_allclose(
         np.asarray(y_other, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max()
     )
+    # Tokens recorded with a negative entry (pads, a sample's last token) keep their own
+    # experts; the others take the replayed ones.
+    partial = other.copy()
+    partial[::3, 0] = -1
+    _, used = run(fp8.BF16, p, True, routing=partial)
+    mixed = np.where((partial >= 0).all(-1, keepdims=True), other, np.asarray(own))
+    np.testing.assert_array_equal(np.asarray(used), mixed)
 
     # Gradients through the replayed experts' gates reach the router: against central
     # differences of the float64 reference (routing fixed, so the function is smooth).
