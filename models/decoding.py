@@ -50,6 +50,9 @@ class KVCache(NamedTuple):
             slot it is written to.
     index:  [] P + decode steps taken: no row has written past it.
     scales: per-layer K/V scales of an FP8 cache (ones, unused, otherwise).
+    routing: Mixture-of-Experts models made with `record_routing`: [B, S, L, k] int16, the
+            experts layer l routed the token in slot s to (what routing replay hands the
+            trainer); -1 where no token was fed (pads, slots not reached). Else None.
     """
 
     k: tuple[Float[Array, "B K S E"], ...]
@@ -58,6 +61,7 @@ class KVCache(NamedTuple):
     pos: Int[Array, " B"]
     index: Int[Array, ""]
     scales: KVScales
+    routing: Int[Array, "B S L k"] | None = None
 
 
 Layers = tuple[tuple[Array, ...], tuple[Array, ...]]
@@ -88,10 +92,12 @@ def init_cache(
     *,
     kv_cache_dtype: str = "auto",
     kv_scales: KVScales | None = None,
+    record_routing: bool = False,
 ) -> KVCache:
     """An empty cache for `batch` rows of up to `max_len` tokens (prompt + generation),
     stored as `kv_cache_dtype` ("auto" | "bf16" | "fp8", `models.kv_quant`); "fp8" needs the
-    per-layer `kv_scales`.
+    per-layer `kv_scales`. `record_routing`: an MoE model's cache also records each token's
+    experts (`KVCache.routing`).
 
     Writing past `max_len` is not checked under jit (the last slot would be overwritten):
     callers size `max_len >= prompt_len + max_new_tokens`.
@@ -109,6 +115,11 @@ def init_cache(
         pos=jnp.zeros((batch,), jnp.int32),
         index=jnp.zeros((), jnp.int32),
         scales=kvq.unit_scales(cfg.num_layers) if kv_scales is None else kv_scales,
+        routing=(
+            jnp.full((batch, max_len, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int16)
+            if cfg.is_moe and record_routing
+            else None
+        ),
     )
 
 
@@ -120,6 +131,7 @@ def take_rows(cache: KVCache, rows: Int[Array, " R"]) -> KVCache:
         v=tuple(x[rows] for x in cache.v),
         mask=cache.mask[rows],
         pos=cache.pos[rows],
+        routing=None if cache.routing is None else cache.routing[rows],
     )
 
 
@@ -164,20 +176,27 @@ def prefill(
         k_pos, v_pos = rotate_rows(k, first), rotate_rows(v, first)
         return attend(i, q, k, v), _write_layer(layers, i, k_pos, v_pos, cache.scales, start)
 
-    h, (k_all, v_all), _ = model.hidden_states(
+    h, (k_all, v_all), routed = model.hidden_states(
         tokens,
         positions_from_mask(attention_mask),
         attend_at,
         dot_general_for(model.cfg, recipe),
         carry=(cache.k, cache.v),
     )
-    mask = jnp.zeros_like(cache.mask).at[:, :p].set(rotate_rows(key_mask, first))
+    real = rotate_rows(key_mask, first)
+    mask = jnp.zeros_like(cache.mask).at[:, :p].set(real)
+    routing = cache.routing
+    if routing is not None:  # [L, B, P, k] -> by position [B, P, L, k], pads -1
+        by_pos = rotate_rows(jnp.moveaxis(routed, 0, 2), first)
+        by_pos = jnp.where(real[:, :, None, None], by_pos, -1).astype(routing.dtype)
+        routing = jnp.full_like(routing, -1).at[:, :p].set(by_pos)
     new_cache = cache._replace(
         k=k_all,
         v=v_all,
         mask=mask,
         pos=jnp.sum(attention_mask.astype(jnp.int32), axis=1),
         index=jnp.asarray(p, jnp.int32),
+        routing=routing,
     )
     return apply_head(h[:, -1], head_of(model)), new_cache
 
@@ -211,12 +230,20 @@ def decode_step(
             return out, layers
         return reference_attention(q, k_i, v_i, allowed, heads_major=True), layers
 
-    h, (k_all, v_all), _ = model.hidden_states(
+    h, (k_all, v_all), routed = model.hidden_states(
         token[:, None],
         pos[:, None],
         attend_at,
         dot_general_for(model.cfg, recipe),
         carry=(cache.k, cache.v),
     )
-    new_cache = cache._replace(k=k_all, v=v_all, mask=mask, pos=pos + 1, index=cache.index + 1)
+    routing = cache.routing
+    if routing is not None:  # [L, B, 1, k] written at slot pos of each row
+        entry = jnp.moveaxis(routed, 0, 2).astype(routing.dtype)  # [B, 1, L, k]
+        routing = jax.vmap(lambda r, e, at: jax.lax.dynamic_update_slice(r, e, (at, 0, 0)))(
+            routing, entry, pos
+        )
+    new_cache = cache._replace(
+        k=k_all, v=v_all, mask=mask, pos=pos + 1, index=cache.index + 1, routing=routing
+    )
     return apply_head(h[:, 0], head_of(model)), new_cache

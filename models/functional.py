@@ -88,6 +88,41 @@ def self_attention(
     return attend
 
 
+def hidden_states_and_routing(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
+) -> tuple[Float[Array, "B T D"], Int[Array, "B T L k"] | None]:
+    """The final-normed hidden states (compute dtype) and, in a Mixture-of-Experts model, the
+    experts each layer routed each token to (None for dense models): the scanned layers with
+    `cfg.attention` self-attention and `cfg.remat` rematerialisation; keys and values are
+    read as a `kv_cache_dtype` KV cache holds them (`models.kv_quant`; "auto": unrounded).
+    `routing` (MoE): experts to replay instead of the router's choice, by token, as
+    `models.decoding.KVCache.routing` records them (a token with an entry < 0 keeps its own)."""
+    model: Decoder = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    attend = self_attention(cfg, attention_mask, kv_cache_dtype, kv_scales)
+
+    def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
+        return attend(i, q, k, v), carry
+
+    h, _, routed = model.hidden_states(
+        tokens,
+        positions_from_mask(attention_mask),
+        attend_at,
+        dot_general_for(cfg, recipe),
+        remat=cfg.remat,
+        routing=None if routing is None else jnp.moveaxis(routing, 2, 0),
+    )
+    return h, None if routed is None else jnp.moveaxis(routed, 0, 2)
+
+
 def hidden_states(
     graphdef: nnx.GraphDef,
     params: Params,
@@ -97,25 +132,26 @@ def hidden_states(
     recipe: fp8.Recipe,
     kv_cache_dtype: str = "auto",
     kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
 ) -> Float[Array, "B T D"]:
-    """The final-normed hidden states (compute dtype): the scanned layers with
-    `cfg.attention` self-attention and `cfg.remat` rematerialisation; keys and values are
-    read as a `kv_cache_dtype` KV cache holds them (`models.kv_quant`; "auto": unrounded)."""
-    model: Decoder = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    attend = self_attention(cfg, attention_mask, kv_cache_dtype, kv_scales)
+    """The final-normed hidden states of `hidden_states_and_routing`."""
+    return hidden_states_and_routing(
+        graphdef, params, tokens, attention_mask, recipe=recipe,
+        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, routing=routing,
+    )[0]  # fmt: skip
 
-    def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
-        return attend(i, q, k, v), carry
 
-    h, _, _ = model.hidden_states(
-        tokens,
-        positions_from_mask(attention_mask),
-        attend_at,
-        dot_general_for(cfg, recipe),
-        remat=cfg.remat,
-    )
-    return h
+def routed_experts(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+) -> Int[Array, "B T L k"]:
+    """The experts a Mixture-of-Experts model's router picks for each token in each layer
+    under `recipe` (what routing replay compares the rollout's record with)."""
+    return hidden_states_and_routing(graphdef, params, tokens, attention_mask, recipe=recipe)[1]
 
 
 def dot_general_for(cfg: ModelConfig, recipe: fp8.Recipe) -> fp8.RecipeDot:
@@ -202,10 +238,11 @@ def forward(
     recipe: fp8.Recipe,
     kv_cache_dtype: str = "auto",
     kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
 ) -> Float[Array, "B T V"]:
     """f32 logits for every position; logits[:, t] predicts tokens[:, t + 1] (K/V read as a
-    `kv_cache_dtype` cache holds them, `hidden_states`)."""
-    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    `kv_cache_dtype` cache holds them, `hidden_states`; `routing`: MoE experts to replay)."""
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, routing=routing)
     h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
     return apply_head(h, _head(graphdef, params))
 
@@ -221,6 +258,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     kv_cache_dtype: str = "auto",
     kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """Per-token log-probability of the given tokens and entropy of the predicting distribution.
 
@@ -235,11 +273,28 @@ def token_logprobs_and_entropy(
     rematerialised `lax.scan`, so only a few [B, chunk_size, V] f32 blocks of logits are live,
     in the forward and the backward pass (a 152k vocabulary at T = 8192 never builds [T, V]).
     `chunk_size=None` picks the largest chunk whose logits fit `LOGITS_CHUNK_BYTES`.
-    `kv_cache_dtype` / `kv_scales`: K/V read as such a KV cache holds them (`hidden_states`).
+    `kv_cache_dtype` / `kv_scales`: K/V read as such a KV cache holds them (`hidden_states`);
+    `routing`: an MoE model's experts to replay (`hidden_states_and_routing`).
     """
-    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    kv = dict(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, routing=routing)
     h = hidden_states(graphdef, params, tokens, attention_mask, recipe=recipe, **kv)
-    head = _head(graphdef, params)
+    return head_logprobs_and_entropy(
+        _head(graphdef, params), h, tokens, attention_mask,
+        chunk_size=chunk_size, temperature=temperature,
+    )  # fmt: skip
+
+
+def head_logprobs_and_entropy(
+    head: Head,
+    h: Float[Array, "B T D"],
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """`token_logprobs_and_entropy` from the final hidden states `h` and the LM `head`
+    (`head_of`): the chunked log-prob head alone."""
     exact = head.min_rows > 1  # a batch-invariant model
     b, t, d = h.shape
     if chunk_size is None:
@@ -288,6 +343,7 @@ def token_logprobs(
     temperature: float = 1.0,
     kv_cache_dtype: str = "auto",
     kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
 ) -> Float[Array, "B T"]:
     """log p(tokens[:, t] | tokens[:, :t]) in f32, entry 0 = 0 (see
     `token_logprobs_and_entropy`)."""
@@ -301,6 +357,7 @@ def token_logprobs(
         temperature=temperature,
         kv_cache_dtype=kv_cache_dtype,
         kv_scales=kv_scales,
+        routing=routing,
     )[0]
 
 

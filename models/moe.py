@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from models.expert_parallel import sharded_experts
 from models.fp8 import Recipe, grouped_dot
 
 
@@ -33,22 +34,25 @@ def route(
     top_k: int,
     norm_topk_prob: bool,
     routing: Int[Array, "N k"] | None = None,
-) -> tuple[Float[Array, "N k"], Int[Array, "N k"]]:
-    """(weights, experts) of each token's k experts, in f32; `routing` replays given experts."""
+) -> tuple[Float[Array, "N k"], Int[Array, "N k"], Int[Array, "N k"]]:
+    """(weights, experts used, the router's own top-k) of each token, in f32; `routing`
+    replays given experts (then the experts used are those, the router's own pick is returned
+    beside them for comparison)."""
     logits = jnp.matmul(
         x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    weights, own = jax.lax.top_k(probs, top_k)
+    experts = own
     if routing is not None:
         # A token whose recorded choice is unknown (any entry < 0: a pad, or the last token of
         # a sample, which the rollout never fed) keeps the router's own.
         replay = jnp.all(routing >= 0, axis=-1, keepdims=True)
-        experts = jnp.where(replay, routing.astype(jnp.int32), experts)
+        experts = jnp.where(replay, routing.astype(jnp.int32), own)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts
+    return weights, experts, own
 
 
 def moe_block(
@@ -63,12 +67,17 @@ def moe_block(
     recipe: Recipe,
     routing: Int[Array, "N k"] | None = None,
 ) -> tuple[Float[Array, "... D"], Int[Array, "N k"]]:
-    """The block's output (x's shape and dtype) and the experts each of the N = prod(x.shape[:-1])
-    tokens was sent to (what routing replay records)."""
+    """The block's output (x's shape and dtype) and the experts the router picked for each of
+    the N = prod(x.shape[:-1]) tokens (what routing replay records; with `routing` given, the
+    router's own pick, which may differ from the replayed experts the output used)."""
     shape, d = x.shape, x.shape[-1]
     xf = x.reshape(-1, d)
     n, experts_total = xf.shape[0], router.shape[-1]
-    weights, experts = route(xf, router, top_k, norm_topk_prob, routing)
+    weights, experts, own = route(xf, router, top_k, norm_topk_prob, routing)
+    # Under a mesh whose batch axes split the tokens: the experts over the devices.
+    y = sharded_experts(xf, weights, experts, w_gate, w_up, w_down, recipe=recipe)
+    if y is not None:
+        return y.astype(x.dtype).reshape(shape), own
     flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=experts_total)
@@ -79,4 +88,4 @@ def moe_block(
     out = grouped_dot(h, w_down, sizes, recipe)
     pairs = jnp.zeros_like(out).at[order].set(out).reshape(n, top_k, d)
     y = jnp.sum(pairs.astype(jnp.float32) * weights[..., None], axis=1)
-    return y.astype(x.dtype).reshape(shape), experts
+    return y.astype(x.dtype).reshape(shape), own

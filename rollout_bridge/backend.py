@@ -86,6 +86,10 @@ class Completion:
       logprobs: float32 [L], log-prob of each response token under the sampling distribution.
       finish_reason: "stop" (eos / stop token emitted) or "length" (max_tokens reached).
       weight_version: the weight version the backend held when it sampled this.
+      routed_experts: Mixture-of-Experts models, from a backend that records routing: int16
+        [len(prompt_ids) + len(response_ids), L, k], the experts each layer routed each token
+        to while sampling (routing replay); -1 for a token the model was never fed (a
+        response's last token, when decoding stopped at it). None otherwise.
     """
 
     prompt_index: int
@@ -94,6 +98,7 @@ class Completion:
     logprobs: np.ndarray
     finish_reason: FinishReason
     weight_version: str
+    routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.response_ids.shape != self.logprobs.shape:

@@ -71,7 +71,7 @@ from jfp8rl.trainer.microbatch import map_micro, num_micro_batches
 from jfp8rl.trainer.settings import step_settings
 from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer, abstract_array
-from jfp8rl.trainer.step import MODEL_INPUTS, make_step_fns, response_logprobs
+from jfp8rl.trainer.step import MODEL_INPUTS, make_step_fns, present, response_logprobs
 from losses import calibrated as cal
 from models.fp8 import get_recipe
 
@@ -248,7 +248,9 @@ def audit_recipe(
         lr16 = np.zeros_like(full["old_logp"])
         with fns.mesh_context():
             for idx in sched[: tc.mini_batches]:
-                mb = mesh_lib.put_batch({n_: full[n_][idx] for n_ in MODEL_INPUTS}, t.mesh)
+                mb = mesh_lib.put_batch(
+                    {n_: v[idx] for n_, v in present(full, MODEL_INPUTS).items()}, t.mesh
+                )
                 out = new_logp(p, mb)
                 lr8[idx] = np.asarray(out["fp8"]) - full["old_logp"][idx]
                 lr16[idx] = np.asarray(out["bf16"]) - full["old_logp_bf16"][idx]

@@ -33,7 +33,7 @@ from jfp8rl.config import Config
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer import token_budget
 from jfp8rl.trainer.settings import build_mesh, step_settings
-from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
+from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns, present
 from losses import calibrated as cal
 from models import functional as mf
 from models.config import PRESETS
@@ -156,7 +156,7 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
     mini = abstract_batch(cfg.mini_batch_size, prompt_len, resp_len, layout.batch())
     with fns.mesh_context():
         prep_out, _ = jax.eval_shape(fns.prepare_programs[calibrate], state["params"], ref, mini)
-    mb = {k: mini[k] for k in UPDATE_INPUTS} | _with_sharding(
+    mb = present(mini, UPDATE_INPUTS) | _with_sharding(
         prep_out, jax.tree.map(lambda _: layout.batch(), prep_out)
     )
     on_policy = jax.ShapeDtypeStruct((), jnp.bool_, sharding=layout.replicated())

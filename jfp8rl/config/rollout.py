@@ -21,6 +21,8 @@ MAX_STALENESS = (0, 1)
 # rollout.on_policy values, and the recipes "exact" runs bit-identically (models.invariant).
 ON_POLICY = ("off", "exact")
 EXACT_RECIPES = ("bf16", "fp8_block")
+# rollout.routing_replay values (Mixture-of-Experts models).
+ROUTING_REPLAY = ("off", "record")
 
 
 def check_exact_on_policy(rollout: RolloutConfig, train_recipe: str, tensor: int) -> None:
@@ -124,6 +126,14 @@ class RolloutConfig:
     # mini-batch and log rollout_corr/exact_share (1.0 when exact) and rollout_corr/max_abs_dlogp;
     # 0 = never.
     on_policy_check_every: int = 10
+    # Routing replay (R3) for Mixture-of-Experts models: "record" has the rollout return each
+    # token's experts (every layer's top-k) with the sample, and the trainer's `prepare` and
+    # update replay them instead of its own router's choice (the gates stay the router's
+    # probabilities of the replayed experts, so the router still gets gradients), and log
+    # rollout_corr/routing_mismatch: the share of (token, layer) pairs whose expert set the
+    # trainer's own router, on the same weights, would have chosen differently. Needs the
+    # embedded backend. "off": the trainer routes every token itself.
+    routing_replay: str = "off"
 
     def server_urls(self) -> list[str]:
         """The rollout servers of backend "http": `urls`, else [`url` or the default]."""
@@ -160,6 +170,14 @@ class RolloutConfig:
         )
         if self.on_policy == "exact":
             self._check_exact()
+        if self.routing_replay in ("False", "false"):
+            self.routing_replay = "off"
+        check_choice("rollout", "routing_replay", self.routing_replay, ROUTING_REPLAY)
+        if self.routing_replay == "record" and self.backend != "embedded":
+            raise ConfigError(
+                f"rollout.routing_replay=record needs rollout.backend=embedded (the HTTP "
+                f"backend does not carry routed experts yet), got backend={self.backend}"
+            )
 
     def _check_exact(self) -> None:
         """What `on_policy: exact` cannot hold to, refused with the key and the way out."""

@@ -54,6 +54,12 @@ class Config:
                 f"data.batch_size * rollout.n = {samples}"
             )
         budget, seq_len = self.train.max_tokens_per_micro_batch, self.max_sequence_tokens
+        if budget and self.rollout.routing_replay == "record":
+            raise ConfigError(
+                f"rollout.routing_replay=record with train.max_tokens_per_micro_batch={budget}: "
+                "the token-budget micro-batches do not carry the recorded routing; set "
+                "train.max_tokens_per_micro_batch=0"
+            )
         if budget and budget < seq_len:
             raise ConfigError(
                 f"train.max_tokens_per_micro_batch={budget} cannot hold one full-length sequence "

@@ -8,6 +8,9 @@ Layout of a batch of N = B * n samples (prompt-major: the n samples of prompt 0 
     prompt_lens     int32 [N]         where the response starts in `tokens`
     response_mask   f32   [N, R]      1 on response tokens of groups that take part in the loss
     rollout_logp    f32   [N, R]      the rollout engine's logprobs of the response tokens
+    routing         int16 [N, P + R, L, k]  with routing replay (MoE): the experts each layer
+                                      routed each token to in the rollout, -1 where unknown
+                                      (pads, a response's unfed last token); else None
 
 Prompt ids come from `jfp8rl.data.templates.PromptFormat` (prompt / chat template, no special tokens
 added) and generation stops on all of its stop ids; the same ids are packed here, so the
@@ -45,6 +48,7 @@ class RolloutBatch:
     texts: tuple[str, ...]  # response texts up to the first stop token (what was scored)
     answers: tuple[str, ...]  # reference answers
     unparsed: np.ndarray  # bool [N], no answer the verifier could extract (math: no \boxed{})
+    routing: np.ndarray | None = None  # int16 [N, P + R, L, k], routing replay (module doc)
 
 
 def pack(
@@ -88,9 +92,36 @@ def pack(
         truncated[i] = c.finish_reason == "length"
     if not np.all(np.isfinite(rollout_logp)):
         raise RolloutError("the rollout backend returned non-finite logprobs")
+    routing = pack_routing(completions, P + R)
     return RolloutBatch(
         tokens, attn, prompt_lens, resp_mask, rollout_logp,
         rewards.astype(np.float32), correct.astype(np.float32), resp_lens, truncated,
         tuple(completions), tuple(texts), tuple(answers),
         np.zeros(n_samples, bool) if unparsed is None else np.asarray(unparsed, bool),
+        routing,
     )  # fmt: skip
+
+
+def pack_routing(completions: Sequence[Completion], length: int) -> np.ndarray | None:
+    """The completions' recorded experts (`Completion.routed_experts`) as int16 [N, length,
+    L, k], token-aligned with `tokens`, -1 past each sample; None when the backend recorded
+    none. A batch whose samples mix recorded and unrecorded routing is a backend error."""
+    recorded = [c.routed_experts is not None for c in completions]
+    if not any(recorded):
+        return None
+    if not all(recorded):
+        raise RolloutError(
+            f"{recorded.count(False)} of {len(completions)} completions carry no routed "
+            "experts; with rollout.routing_replay=record every sample must"
+        )
+    first = completions[0].routed_experts
+    out = np.full((len(completions), length, *first.shape[1:]), -1, np.int16)
+    for i, c in enumerate(completions):
+        n = len(c.prompt_ids) + len(c.response_ids)
+        if c.routed_experts.shape != (n, *first.shape[1:]):
+            raise RolloutError(
+                f"completion {i}: routed experts of shape {c.routed_experts.shape} for {n} "
+                f"tokens (expected {(n, *first.shape[1:])})"
+            )
+        out[i, :n] = c.routed_experts
+    return out

@@ -77,7 +77,7 @@ def make_backend(cfg: Config, policy: Policy, run_dir: Path) -> RolloutBackend:
             policy.cfg, policy.graphdef, None,
             recipe=r.recipe, eos_id=policy.stop_ids, weight_version="base",
             export_format=push_format(r), export_root=root, max_num_seqs=r.max_num_seqs,
-            kv_cache_dtype=r.kv_cache_dtype,
+            kv_cache_dtype=r.kv_cache_dtype, record_routing=r.routing_replay == "record",
         )  # fmt: skip
     settings = ClientSettings(
         api_key=api_key(r), timeout_s=r.timeout_s, max_retries=r.max_retries,

@@ -24,7 +24,7 @@ import numpy as np
 
 from jfp8rl.config import Config, ConfigError
 from jfp8rl.parallel import mesh as mesh_lib
-from jfp8rl.trainer.step import MODEL_INPUTS, response_logprobs
+from jfp8rl.trainer.step import MODEL_INPUTS, present, response_logprobs
 from jfp8rl.trainer.step_settings import StepSettings
 
 
@@ -69,7 +69,7 @@ def on_policy_check(
     rows: int,
 ) -> dict[str, float]:
     """The check's metrics (module docstring) on the first `rows` samples of the step."""
-    sub = {k: host[k][:rows] for k in (*MODEL_INPUTS, "rollout_logp")}
+    sub = {k: v[:rows] for k, v in present(host, (*MODEL_INPUTS, "rollout_logp")).items()}
     with fns.mesh_context():
         out = _check_program(graphdef, settings)(params, mesh_lib.put_batch(sub, mesh))
     return {k: float(v) for k, v in out.items()}

@@ -69,6 +69,11 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
         path, mesh=mesh, compute_dtype=jnp.dtype(m.compute_dtype), remat=m.remat,
         attention=m.attention, batch_invariant=cfg.rollout.on_policy == "exact",
     )  # fmt: skip
+    if cfg.rollout.routing_replay == "record" and not mcfg.is_moe:
+        raise ConfigError(
+            f"rollout.routing_replay=record needs a Mixture-of-Experts model; {path} is a dense "
+            f"{mcfg.arch} model: set rollout.routing_replay=off"
+        )
     tok = load_tokenizer(path)
     return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok), path)
 

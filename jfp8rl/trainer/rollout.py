@@ -175,7 +175,7 @@ def share_rollout(
         arrays = {
             f.name: getattr(batch, f.name)
             for f in dataclasses.fields(RolloutBatch)
-            if f.name not in _MAIN_ONLY
+            if f.name not in _MAIN_ONLY and getattr(batch, f.name) is not None
         }
         info = {"position": position, "stats": stats}
     arrays, info = broadcast_from_main(arrays, info)

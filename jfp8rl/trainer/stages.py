@@ -39,7 +39,7 @@ from jfp8rl.trainer.overlap import Collected
 from jfp8rl.trainer.policy import save_policy_folder
 from jfp8rl.trainer.rollout import collect, share_rollout
 from jfp8rl.trainer.state import Progress, Trainer, buffer_view
-from jfp8rl.trainer.step import CALIBRATION_ONLY, UPDATE_INPUTS
+from jfp8rl.trainer.step import CALIBRATION_ONLY, UPDATE_INPUTS, present
 from models.hf_io import iter_hf_state
 from models.sharding import host_array
 
@@ -110,10 +110,12 @@ def stage_prepare(
         "rewards": batch.rewards,
         "response_lens": batch.response_lens,
     }
+    if batch.routing is not None:  # routing replay: the rollout's experts
+        host["routing"] = batch.routing
     out, mets = t.fns.prepare(
         state["params"], t.ref_params, mesh_lib.put_batch(host, t.mesh), calibrate
     )
-    full = {k: host[k] for k in UPDATE_INPUTS} | {k: host_array(v) for k, v in out.items()}
+    full = present(host, UPDATE_INPUTS) | {k: host_array(v) for k, v in out.items()}
     return full, {k: float(v) for k, v in mets.items()}
 
 

@@ -48,6 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from jfp8rl.parallel.mesh import Layout
@@ -77,11 +78,19 @@ CALIBRATION_ONLY = (
     "calib/bf16_clipfrac_pos_upper",
     "calib/balance_bf16",
 )
-# Batch arrays the update reads per mini-batch (rewards / lengths only feed `prepare`).
-UPDATE_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp")
+# Batch arrays the update reads per mini-batch (rewards / lengths only feed `prepare`);
+# "routing" only with routing replay (`present`).
+UPDATE_INPUTS = (
+    "tokens", "attention_mask", "prompt_lens", "response_mask", "rollout_logp", "routing"
+)  # fmt: skip
 
 # Batch arrays the model forward reads (the rest are per-token loss inputs).
-MODEL_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask")
+MODEL_INPUTS = ("tokens", "attention_mask", "prompt_lens", "response_mask", "routing")
+
+
+def present(batch: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The entries of `batch` named in `names` that it has (the optional "routing")."""
+    return {n: batch[n] for n in names if n in batch}
 
 
 def gather_response(
@@ -100,16 +109,44 @@ def response_logprobs(
 ) -> tuple[Float[Array, "N R"], Float[Array, "N R"]]:
     """(logp, entropy) of the response tokens under `recipe`, response-aligned, of the
     distribution the rollout sampled from: logits / `temperature` (`rollout.temperature`), as
-    verl scores them, so the ratios against the rollout's logprobs compare like with like."""
-    lp, ent = mf.token_logprobs_and_entropy(
+    verl scores them, so the ratios against the rollout's logprobs compare like with like.
+    With `batch["routing"]` (routing replay) an MoE model uses the rollout's experts."""
+    return response_logprobs_and_routing(graphdef, params, batch, recipe, temperature)[:2]
+
+
+def response_logprobs_and_routing(
+    graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe, temperature: float
+) -> tuple[Float[Array, "N R"], Float[Array, "N R"], Array | None]:
+    """`response_logprobs` and an MoE model's own router choices [N, T, L, k] in the same
+    forward (with routing replay: what its router picked where the rollout's experts were
+    used; None for dense models)."""
+    h, routed = mf.hidden_states_and_routing(
         graphdef, params, batch["tokens"], batch["attention_mask"], recipe=recipe,
+        routing=batch.get("routing"),
+    )  # fmt: skip
+    lp, ent = mf.head_logprobs_and_entropy(
+        mf.head_of(nnx.merge(graphdef, params)), h, batch["tokens"], batch["attention_mask"],
         temperature=temperature,
     )  # fmt: skip
     r = batch["response_mask"].shape[1]
     return (
         gather_response(lp, batch["prompt_lens"], r),
         gather_response(ent, batch["prompt_lens"], r),
+        routed,
     )
+
+
+def routing_mismatch_counts(
+    recorded: Array, own: Array, attention_mask: Array
+) -> tuple[Array, Array]:
+    """(how many, out of how many) (token, layer) pairs have an expert set that differs
+    between the rollout's record and the trainer's router, over the tokens the rollout
+    recorded (real tokens, entries >= 0). Expert sets are compared, not their order."""
+    known = jnp.all(recorded >= 0, axis=-1) & (attention_mask[:, :, None] != 0)
+    differ = jnp.any(
+        jnp.sort(recorded.astype(jnp.int32), axis=-1) != jnp.sort(own, axis=-1), axis=-1
+    )
+    return jnp.sum(differ & known, dtype=jnp.float32), jnp.sum(known, dtype=jnp.float32)
 
 
 def loggable_metrics(aux: dict[str, Array]) -> dict[str, Array]:
@@ -184,9 +221,14 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         def forwards(mb):
             out = {}
             if not s.old_logp_from_rollout:
-                out["old_all"], out["entropy"] = response_logprobs(
+                out["old_all"], out["entropy"], own = response_logprobs_and_routing(
                     graphdef, params, mb, s.train_recipe, s.temperature
                 )
+                if "routing" in mb:
+                    differ, known = routing_mismatch_counts(
+                        mb["routing"], own, mb["attention_mask"]
+                    )
+                    out["routing_differ"], out["routing_known"] = differ[None], known[None]
             if calibrate:
                 out["old_bf16"] = response_logprobs(
                     graphdef, params, mb, s.shadow_recipe, s.temperature
@@ -199,11 +241,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
 
         exact = s.old_logp_from_rollout  # bit-identical rollout: its log-probs are the old ones
         needs_forward = not exact or calibrate or ref_params is not None
-        f = (
-            map_micro(forwards, {n: batch[n] for n in MODEL_INPUTS}, k, dat)
-            if needs_forward
-            else {}
-        )
+        f = map_micro(forwards, present(batch, MODEL_INPUTS), k, dat) if needs_forward else {}
         old_all = batch["rollout_logp"] if exact else f["old_all"]
         resp_len = mask.shape[1]
         valid = (jnp.arange(resp_len)[None, :] < batch["response_lens"][:, None]).astype(
@@ -240,6 +278,10 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         if not exact:
             ent = f["entropy"]
             metrics["actor/entropy"] = jnp.sum(ent * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+        if "routing_differ" in f:  # counts per micro-batch
+            metrics["rollout_corr/routing_mismatch"] = jnp.sum(f["routing_differ"]) / jnp.maximum(
+                jnp.sum(f["routing_known"]), 1.0
+            )
         return out, metrics
 
     def bounds(calib_state, logp8, logp16, mb, on_policy, calibrate):
@@ -320,7 +362,7 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
 
     def grads_accumulated(params, calib_state, mb, on_policy, calibrate, k):
         """k micro-batches: bounds from a no-gradient pre-pass, then sum_j grad(num_j / D)."""
-        model_mb = {n: mb[n] for n in MODEL_INPUTS}
+        model_mb = present(mb, MODEL_INPUTS)
         pre = {}
         if s.calibrated:
             pre = map_micro(lambda m: pre_forwards(params, m, calibrate), model_mb, k, dat)

@@ -103,6 +103,15 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=False,
     ),
     "tiny_arith": ModelConfig(**_TINY_ARITH),
+    # The arithmetic policy as a Qwen3-MoE: 8 experts of width 192 per layer, 2 per token (the
+    # active MLP width of tiny_arith's 384), for MoE runs on the built-in task.
+    "tiny_arith_moe": ModelConfig(
+        **{**_TINY_ARITH, "arch": "qwen3_moe"},
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=192,
+        norm_topk_prob=True,
+    ),
     # The FP8 study's larger policy (configs/study_scratchpad_25m.yaml): the same family at
     # d = 512 (four 128-wide FP8 blocks per row), 6 layers: 23.7M parameters.
     "study_25m": ModelConfig(

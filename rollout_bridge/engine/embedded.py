@@ -111,6 +111,9 @@ class EmbeddedBackend(RolloutBackend):
         max_num_seqs x (bucketed prompt + new tokens) entries whatever a call asks.
       kv_cache_dtype: "auto" (compute dtype), "bf16" or "fp8" (E4M3 with per-layer scales,
         recalibrated at every install: module docstring).
+      record_routing: a Mixture-of-Experts model's completions carry the experts every layer
+        routed each token to (`Completion.routed_experts`, routing replay); the decode loop
+        keeps them beside the KV cache (2 bytes per token, layer and expert slot).
 
     Thread-safe: one lock serialises the jitted calls and installs (the HTTP server runs
     threads); it is taken per chunk, so concurrent calls take turns chunk by chunk.
@@ -130,10 +133,12 @@ class EmbeddedBackend(RolloutBackend):
         export_format: str | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         kv_cache_dtype: str = "auto",
+        record_routing: bool = False,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"EmbeddedBackend: max_num_seqs={max_num_seqs} must be >= 1")
         self.kv_cache_dtype = kv_cache_dtype
+        self.record_routing = bool(record_routing) and cfg.is_moe
         self.cfg = cfg
         self.graphdef = graphdef
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
@@ -250,7 +255,7 @@ class EmbeddedBackend(RolloutBackend):
         prompt, mask = jnp.asarray(batch.prompt), jnp.asarray(batch.mask)
         with self._lock:
             version = self._version
-            toks, lps, lens = generate_rows(
+            toks, lps, lens, routing = generate_rows(
                 self.graphdef,
                 self.params,
                 jnp.asarray(batch.prefill_prompt),
@@ -267,8 +272,10 @@ class EmbeddedBackend(RolloutBackend):
                 recipe=self._forward_recipe,
                 cache_len=batch.cache_len,
                 kv_cache_dtype=self.kv_cache_dtype,
+                record_routing=self.record_routing,
             )
             toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
+            routing = None if routing is None else np.asarray(routing)
             self._kv.keep_rows(batch.prompt, batch.mask, toks, lens, batch.max_new > 0)
         out = []
         for r in range(batch.rows):
@@ -279,14 +286,18 @@ class EmbeddedBackend(RolloutBackend):
                     f"embedded: non-finite logprob in row {r}; weights hold NaN/inf?"
                 )
             stopped = ids.size > 0 and int(ids[-1]) in stops
+            prompt_ids = prompts[batch.prompt_index[r]]
             out.append(
                 Completion(
                     prompt_index=int(batch.prompt_index[r]),
-                    prompt_ids=prompts[batch.prompt_index[r]],
+                    prompt_ids=prompt_ids,
                     response_ids=ids,
                     logprobs=lp,
                     finish_reason="stop" if stopped else "length",
                     weight_version=version,
+                    routed_experts=(
+                        None if routing is None else routing[r, : len(prompt_ids) + lens[r]]
+                    ),
                 )
             )
         return out

@@ -35,8 +35,11 @@ from rollout_bridge.engine import sampling as smp
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "cfg", "recipe", "cache_len", "kv_cache_dtype")
-)
+    jax.jit,
+    static_argnames=(
+        "graphdef", "cfg", "recipe", "cache_len", "kv_cache_dtype", "record_routing"
+    ),
+)  # fmt: skip
 def generate_rows(
     graphdef: Any,
     params: Any,
@@ -55,8 +58,11 @@ def generate_rows(
     recipe: Recipe,
     cache_len: int,
     kv_cache_dtype: str = "auto",
-) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"]]:
-    """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths).
+    record_routing: bool = False,
+) -> tuple[Int[Array, "B N"], Float[Array, "B N"], Int[Array, " B"], Array | None]:
+    """Samples up to N = cache_len - P tokens per row; returns (tokens, logprobs, lengths,
+    routing): with `record_routing`, an MoE model's [B, cache_len, L, k] experts of every
+    token fed, by position (`models.decoding.KVCache.routing`); else None.
 
     Row b continues prompt `source[b]` (the n samples of a prompt share one prefill: the
     prompts are prefilled once each and their KV-cache rows copied to the rows). Entries past
@@ -66,8 +72,9 @@ def generate_rows(
     rows, plen = source.shape[0], prompt.shape[1]
     steps = cache_len - plen
     cache = decoding.init_cache(
-        cfg, prompt.shape[0], cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales
-    )
+        cfg, prompt.shape[0], cache_len, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
+        record_routing=record_routing,
+    )  # fmt: skip
     logits, cache = decoding.prefill(graphdef, params, prompt, mask, cache, recipe=recipe)
     if prompt.shape[0] != rows:  # one prefill per prompt: copy its cache row to each sample
         logits, cache = logits[source], decoding.take_rows(cache, source)
@@ -95,8 +102,8 @@ def generate_rows(
         return step + 1, cache, jnp.where(active, tok, prev), out_tok, out_lp, done, lengths
 
     init = (jnp.int32(1), cache, tok, out_tok, out_lp, done, lengths)
-    _, _, _, out_tok, out_lp, _, lengths = jax.lax.while_loop(cond, body, init)
-    return out_tok, out_lp, lengths
+    _, cache, _, out_tok, out_lp, _, lengths = jax.lax.while_loop(cond, body, init)
+    return out_tok, out_lp, lengths, cache.routing
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "recipe", "kv_cache_dtype"))

@@ -52,7 +52,7 @@ def engine_rollout(cfg, gd, params, recipe, prompts, new, temperature, cache_len
         jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.uint32),
         jnp.asarray(source), jnp.arange(rows) % n,
     )  # fmt: skip
-    toks, lps, _ = programs.generate_rows(
+    toks, lps, _, _ = programs.generate_rows(
         gd, params, jnp.asarray(prompt), jnp.asarray(mask), jnp.asarray(source), keys,
         jnp.full((rows,), temperature, jnp.float32), jnp.full((rows,), -1, jnp.int32),
         jnp.ones((rows,), jnp.float32), jnp.full((rows, 1), -1, jnp.int32),

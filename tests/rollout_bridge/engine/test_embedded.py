@@ -581,3 +581,35 @@ def test_moe_block_fp8_push_installs_each_experts_operand(moe_model, tmp_path):
         )
     )
     np.testing.assert_allclose(np.stack(eng.score(seqs)), want, atol=1e-4)
+
+
+def test_moe_records_the_routing_the_trainer_computes(moe_model):
+    """With `record_routing` each completion carries every fed token's experts per layer,
+    aligned with prompt ++ response: the expert sets the full forward's router picks for the
+    same tokens (`models.functional.routed_experts`), under FP8 block; the response's last
+    token, never fed, is -1. Without it, completions carry none."""
+    cfg, graphdef, params, _ = moe_model
+    sp = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=0)
+    eng = EmbeddedBackend(
+        cfg, graphdef, params, recipe="fp8_block", eos_id=None, max_len=128, record_routing=True
+    )
+    out = eng.generate(PROMPTS, sp)
+    buf = np.zeros((len(out), T_REF), np.int32)
+    mask = np.zeros_like(buf)
+    for r, c in enumerate(out):
+        seq = list(c.prompt_ids) + list(c.response_ids)
+        buf[r, : len(seq)], mask[r, : len(seq)] = seq, 1
+    own = np.asarray(
+        jax.jit(mf.routed_experts, static_argnums=0, static_argnames="recipe")(
+            graphdef, params, buf, mask, recipe=eng.recipe
+        )
+    )
+    for r, c in enumerate(out):
+        n = len(c.prompt_ids) + len(c.response_ids)
+        assert c.routed_experts.shape == (n, cfg.num_layers, cfg.num_experts_per_tok)
+        assert c.routed_experts.dtype == np.int16 and np.all(c.routed_experts[-1] == -1)
+        np.testing.assert_array_equal(
+            np.sort(c.routed_experts[: n - 1], axis=-1), np.sort(own[r, : n - 1], axis=-1)
+        )
+    plain = EmbeddedBackend(cfg, graphdef, params, recipe="fp8_block", eos_id=None, max_len=128)
+    assert plain.generate(PROMPTS[:1], sp)[0].routed_experts is None
