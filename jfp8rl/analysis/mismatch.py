@@ -45,6 +45,13 @@ sides) and exact on-policy rollouts (`rollout.on_policy=exact`: batch-invariant 
 sides, every term 0). `requantization_drift` measures the weight side of the push directly.
 The trainer's old log-probs are always recomputed here, also where the run itself would take
 the rollout's.
+
+Mixture-of-Experts policies add a routing term: the engine records each token's experts
+(`rollout.routing_replay`), and each row gains the share of (token, layer) pairs whose expert set
+the trainer's router picks differently on the same weights (`routing_mismatch`), and the
+trainer's k1 with the rollout's routing replayed and with its own routing (`kl_routing_replay`,
+`kl_own_routing`). The chain above scores the way the configured run does (replayed with
+`rollout.routing_replay: record`, else its own routing).
 """
 
 from __future__ import annotations
@@ -112,6 +119,12 @@ COLUMNS = (
     ("1-ulp nudge mean abs", "ulp_abs_mean", ".2e"),
     ("temperature k1", "temperature_k1", ".2e"),
     ("tokens", "tokens", "d"),
+)
+# Mixture-of-Experts rows only (`measure`): the routing term.
+MOE_COLUMNS = (
+    ("routing mismatch", "routing_mismatch", ".4f"),
+    ("k1 routing replayed", "kl_routing_replay", ".2e"),
+    ("k1 own routing", "kl_own_routing", ".2e"),
 )
 
 
@@ -213,9 +226,12 @@ def requantization_drift(cfg: Any, params: Any, recipe: Recipe) -> dict[str, flo
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("recipe", "temperature", "resp"))
-def _whole_logp(graphdef, params, tokens, mask, prompt_lens, *, recipe, temperature, resp):
-    """Response-aligned [N, R] log-probabilities of one full forward over every row at once."""
-    lp = mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe, temperature=temperature)
+def _whole_logp(graphdef, params, tokens, mask, prompt_lens, routing, *, recipe, temperature, resp):
+    """Response-aligned [N, R] log-probabilities of one full forward over every row at once
+    (`routing`: an MoE batch's recorded experts to replay, or None)."""
+    lp = mf.token_logprobs(
+        graphdef, params, tokens, mask, recipe=recipe, temperature=temperature, routing=routing
+    )
     return gather_response(lp, prompt_lens, resp)
 
 
@@ -235,9 +251,10 @@ def nudged(params: Any) -> Any:
 
 def whole_logp(t: Trainer, params: Any, batch: RolloutBatch, recipe: Recipe, temp: float):
     """`_whole_logp` of `batch` on host (float32)."""
+    routing = None if batch.routing is None else jnp.asarray(batch.routing)
     out = _whole_logp(
         t.policy.graphdef, params, jnp.asarray(batch.tokens), jnp.asarray(batch.attention_mask),
-        jnp.asarray(batch.prompt_lens), recipe=recipe, temperature=float(temp),
+        jnp.asarray(batch.prompt_lens), routing, recipe=recipe, temperature=float(temp),
         resp=batch.response_mask.shape[1],
     )  # fmt: skip
     return np.where(batch.response_mask > 0, np.asarray(out), 0.0)
@@ -247,7 +264,8 @@ def sample(t: Trainer, state: dict[str, Any], recipe: Recipe) -> RolloutBatch:
     """Step 1's rollout batch (the configured prompts, seed and sampling) from an embedded
     engine of `recipe`, loaded by the run's own weight push (`stage_sync`; the push format a
     run with `rollout.recipe` = `recipe` uses); every recipe samples from the same prompts
-    and seeds. Its response mask covers every sampled token."""
+    and seeds. Its response mask covers every sampled token; an MoE engine records the
+    routing."""
     r = t.cfg.rollout
     # An FP8 checkpoint holds the preset's scales: a +pow2 engine takes fp32 weights and
     # quantizes them itself, as the trainer does.
@@ -256,7 +274,7 @@ def sample(t: Trainer, state: dict[str, Any], recipe: Recipe) -> RolloutBatch:
     backend = EmbeddedBackend(
         t.policy.cfg, t.policy.graphdef, None, recipe=recipe, eos_id=t.policy.stop_ids,
         weight_version="base", export_format=push_format(r), max_num_seqs=r.max_num_seqs,
-        kv_cache_dtype=r.kv_cache_dtype,
+        kv_cache_dtype=r.kv_cache_dtype, record_routing=t.policy.cfg.is_moe,
     )  # fmt: skip
     # The trainer's recipe follows (`rollout.on_policy: exact` holds only for equal recipes);
     # sampling and the push do not use it.
@@ -314,9 +332,12 @@ def measure(
     params = state["params"]
     prepared = Prepared(t, state)
     rows = []
+    replay = t.cfg.rollout.routing_replay == "record"
     for rspec in dict.fromkeys(r for r, _ in pairings):
         rec_r = parse_recipe(rspec)
-        batch = sample(t, state, rec_r)
+        recorded = sample(t, state, rec_r)
+        # The chain scores as the run does: the recorded routing replayed, or its own.
+        batch = recorded if replay else dataclasses.replace(recorded, routing=None)
         mask = batch.response_mask
         whole_r = whole_logp(t, params, batch, rec_r, temp)
         ulp = term(whole_r, whole_logp(t, nudged(params), batch, rec_r, temp), mask)
@@ -339,6 +360,8 @@ def measure(
                 whole_s = whole_logp(t, params, batch, rec_s, temp)
                 whole_s1 = whole_logp(t, params, batch, rec_s, 1.0)
                 row["temperature_k1"] = term(whole_s, whole_s1, mask)["k1"]
+            if recorded.routing is not None:
+                row |= routing_term(prepared, rec_s, recorded)
             row["tokens"] = int(mask.sum())
             row["temperature"] = temp
             rows.append(row)
@@ -349,10 +372,24 @@ def measure(
     return rows
 
 
+def routing_term(prepared: Prepared, recipe: Recipe, recorded: RolloutBatch) -> dict[str, float]:
+    """An MoE batch's routing term (module docstring): the trainer's `prepare` with the
+    recorded routing replayed (its routing-mismatch share and k1) and with its own."""
+    _, replayed = prepared(recipe, recorded)
+    _, own = prepared(recipe, dataclasses.replace(recorded, routing=None))
+    return {
+        "routing_mismatch": replayed["rollout_corr/routing_mismatch"],
+        "kl_routing_replay": replayed["rollout_corr/kl"],
+        "kl_own_routing": own["rollout_corr/kl"],
+    }
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as one markdown table (COLUMNS)."""
+    """The rows as one markdown table (COLUMNS, and MOE_COLUMNS when a row has them)."""
+    cols = COLUMNS + (MOE_COLUMNS if any("routing_mismatch" in r for r in rows) else ())
     return markdown_table(
-        [h for h, _, _ in COLUMNS], ([format(r[k], f) for _, k, f in COLUMNS] for r in rows)
+        [h for h, _, _ in cols],
+        ([format(r[k], f) if k in r else "-" for _, k, f in cols] for r in rows),
     )
 
 
