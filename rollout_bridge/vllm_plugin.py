@@ -61,6 +61,13 @@ private copy `layer.cpu_linear`; with tied embeddings the LM head receives no te
 so the reload never re-packs it and logits keep the old embedding. After finalising we re-run
 `quant_method.process_weights_after_loading` on every `VocabParallelEmbedding` that has
 `cpu_linear` (the LM head is one), which re-packs it from the new weight.
+
+CPU MoE fix (another bug of vLLM 0.32's CPU backend): its unquantized MoE kernel reads each
+layer's experts (`w13_weight`, `w2_weight`) in a pre-packed layout that only the first load
+writes; a reload copies the new weights in unpacked and skips the packing, so the experts
+compute with scrambled weights (logprob errors of 1e-2 on a tiny Qwen3-MoE even when the same
+weights are pushed again). For every such layer that took weights in the update, the plugin
+re-runs the kernel's own `process_weights_after_loading` after finalising, which packs them.
 """
 
 from __future__ import annotations
@@ -134,6 +141,35 @@ def repack_cpu_embeddings(model: torch.nn.Module) -> int:
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             module.quant_method.process_weights_after_loading(module)
             n += 1
+    return n
+
+
+def reloaded_cpu_moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers run by vLLM's CPU unquantized experts kernel that took weights in the open
+    layerwise reload: processed already (all their tensors arrived) or about to be by its
+    finalisation (some did). Ask before `finalize_layerwise_reload`: layers that took none get
+    their packed tensors back there and must not be packed again."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    layers = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        if not isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts):
+            continue
+        info = get_layerwise_info(module)
+        if not info.can_load() or info.load_numel > 0:
+            layers.append(module)
+    return layers
+
+
+def repack_cpu_moe_experts(layers: Iterable[torch.nn.Module]) -> int:
+    """Packs the reloaded expert weights of `layers` (`reloaded_cpu_moe_layers`, after the
+    reload is finalised) into the CPU kernel's layout; returns how many layers."""
+    n = 0
+    for layer in layers:
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        n += 1
     return n
 
 
@@ -314,10 +350,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             finalize_layerwise_reload,
         )
 
+        cpu = self.device.type == "cpu"
+        moe_layers = reloaded_cpu_moe_layers(self.model) if cpu else []
         finalize_layerwise_reload(self.model, self.model_config)
         self._reloading = False
-        if self.device.type == "cpu":
+        if cpu:
             repack_cpu_embeddings(self.model)
+            repack_cpu_moe_experts(moe_layers)
 
     def _rollback_source_ok(self) -> bool:
         """Whether the weights served before this session can be loaded again: the export
