@@ -15,7 +15,9 @@ At temperature 1 with no truncation this equals the model's raw log-softmax.
 from __future__ import annotations
 
 import abc
+import base64
 import dataclasses
+import io
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
@@ -106,6 +108,32 @@ class Completion:
                 f"completion of prompt {self.prompt_index}: {self.response_ids.shape[0]} tokens "
                 f"but {self.logprobs.shape[0]} logprobs; the server's response is malformed"
             )
+
+
+def encode_routed_experts(routed: np.ndarray) -> str:
+    """A completion's routed experts on the wire, as vLLM's `--enable-return-routed-experts`
+    returns them in a choice's `routed_experts`: base64 of the `.npy` bytes of the first
+    num_tokens - 1 rows (the last token was never fed), uint8 for up to 256 experts."""
+    rows = np.asarray(routed)[:-1]
+    small = rows.size == 0 or int(rows.max(initial=0)) < 256
+    buf = io.BytesIO()
+    np.save(buf, rows.astype(np.uint8 if small else np.int32), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_routed_experts(text: str, num_tokens: int) -> np.ndarray:
+    """`encode_routed_experts`'s inverse (also what vLLM sends): int16 [num_tokens, L, k], the
+    last token's row -1 (unknown). No pickles are read. Raises ValueError on a malformed
+    field."""
+    rows = np.load(io.BytesIO(base64.b64decode(text, validate=True)), allow_pickle=False)
+    if rows.ndim != 3 or rows.shape[0] != num_tokens - 1:
+        raise ValueError(
+            f"routed_experts of shape {rows.shape} for {num_tokens} tokens (expected "
+            f"({num_tokens - 1}, layers, experts per token))"
+        )
+    out = np.full((num_tokens, *rows.shape[1:]), -1, np.int16)
+    out[:-1] = rows
+    return out
 
 
 class RolloutBackend(abc.ABC):

@@ -90,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="as vLLM: fp8 stores K/V as E4M3 with per-layer scales, the pushed ones or else "
         "recalibrated at every weight install (docs/rollout.md section 10; default auto)",
     )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="as vLLM: each completion choice carries the experts every layer routed each fed "
+        "token to (routed_experts, base64 .npy), for routing replay; MoE models only",
+    )
     args = parser.parse_args(argv)
     for flag in ("max_model_len", "max_num_seqs", "max_pending_seqs"):
         value = getattr(args, flag)
@@ -106,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         export_format=args.export_format,
         max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
+        record_routing=args.enable_return_routed_experts,
     )
     limits = ServerLimits(max_model_len=engine.max_len, max_pending_seqs=args.max_pending_seqs)
     state = ServerState(

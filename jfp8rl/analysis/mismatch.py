@@ -279,9 +279,12 @@ def sample(t: Trainer, state: dict[str, Any], recipe: Recipe) -> RolloutBatch:
     # The trainer's recipe follows (`rollout.on_policy: exact` holds only for equal recipes);
     # sampling and the push do not use it.
     train = dataclasses.replace(t.cfg.train, recipe=r.recipe)
+    # An MoE engine records the routing and the batch carries it (`measure`'s routing term).
+    packing = dataclasses.replace(t.rollout_settings, routing_replay=t.policy.cfg.is_moe)
     tr = dataclasses.replace(
-        t, backend=backend, cfg=dataclasses.replace(t.cfg, rollout=r, train=train)
-    )
+        t, backend=backend, cfg=dataclasses.replace(t.cfg, rollout=r, train=train),
+        rollout_settings=packing,
+    )  # fmt: skip
     try:
         stage_sync(tr, state, 0)
         batch, _ = stage_rollout(tr, Progress(), 1)

@@ -131,8 +131,10 @@ class RolloutConfig:
     # update replay them instead of its own router's choice (the gates stay the router's
     # probabilities of the replayed experts, so the router still gets gradients), and log
     # rollout_corr/routing_mismatch: the share of (token, layer) pairs whose expert set the
-    # trainer's own router, on the same weights, would have chosen differently. Needs the
-    # embedded backend. "off": the trainer routes every token itself.
+    # trainer's own router, on the same weights, would have chosen differently. HTTP servers
+    # must return the experts: vLLM started with --enable-return-routed-experts (its GPU
+    # builds; the CPU build lacks the model runner it needs), `python -m rollout_bridge.serve
+    # --enable-return-routed-experts`. "off": the trainer routes every token itself.
     routing_replay: str = "off"
 
     def server_urls(self) -> list[str]:
@@ -173,11 +175,6 @@ class RolloutConfig:
         if self.routing_replay in ("False", "false"):
             self.routing_replay = "off"
         check_choice("rollout", "routing_replay", self.routing_replay, ROUTING_REPLAY)
-        if self.routing_replay == "record" and self.backend != "embedded":
-            raise ConfigError(
-                f"rollout.routing_replay=record needs rollout.backend=embedded (the HTTP "
-                f"backend does not carry routed experts yet), got backend={self.backend}"
-            )
 
     def _check_exact(self) -> None:
         """What `on_policy: exact` cannot hold to, refused with the key and the way out."""

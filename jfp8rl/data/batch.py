@@ -63,10 +63,12 @@ def pack(
     texts: Sequence[str] = (),
     answers: Sequence[str] = (),
     unparsed: np.ndarray | None = None,
+    routing: bool = False,
 ) -> RolloutBatch:
     """Right-padded [N, P + R] tokens and [N, R] response arrays; `keep[i]` = 0 zeroes sample
     i's response mask (a filler group of dynamic sampling). `texts` / `answers` / `unparsed`
-    (per sample) ride along for metrics and rollout dumps."""
+    (per sample) ride along for metrics and rollout dumps. `routing`: pack the completions'
+    routed experts (routing replay; `pack_routing`)."""
     n_samples = len(completions)
     P, R = max_prompt_tokens, max_tokens
     tokens = np.full((n_samples, P + R), pad_id, np.int32)
@@ -92,27 +94,26 @@ def pack(
         truncated[i] = c.finish_reason == "length"
     if not np.all(np.isfinite(rollout_logp)):
         raise RolloutError("the rollout backend returned non-finite logprobs")
-    routing = pack_routing(completions, P + R)
     return RolloutBatch(
         tokens, attn, prompt_lens, resp_mask, rollout_logp,
         rewards.astype(np.float32), correct.astype(np.float32), resp_lens, truncated,
         tuple(completions), tuple(texts), tuple(answers),
         np.zeros(n_samples, bool) if unparsed is None else np.asarray(unparsed, bool),
-        routing,
+        pack_routing(completions, P + R) if routing else None,
     )  # fmt: skip
 
 
-def pack_routing(completions: Sequence[Completion], length: int) -> np.ndarray | None:
+def pack_routing(completions: Sequence[Completion], length: int) -> np.ndarray:
     """The completions' recorded experts (`Completion.routed_experts`) as int16 [N, length,
-    L, k], token-aligned with `tokens`, -1 past each sample; None when the backend recorded
-    none. A batch whose samples mix recorded and unrecorded routing is a backend error."""
-    recorded = [c.routed_experts is not None for c in completions]
-    if not any(recorded):
-        return None
-    if not all(recorded):
+    L, k], token-aligned with `tokens`, -1 past each sample. Every completion must carry them
+    (rollout.routing_replay=record asked the backend to record)."""
+    missing = sum(c.routed_experts is None for c in completions)
+    if missing:
         raise RolloutError(
-            f"{recorded.count(False)} of {len(completions)} completions carry no routed "
-            "experts; with rollout.routing_replay=record every sample must"
+            f"{missing} of {len(completions)} completions carry no routed experts, which "
+            "rollout.routing_replay=record needs: an HTTP server must return them (vLLM: "
+            "start it with --enable-return-routed-experts, a GPU build; rollout_bridge.serve: "
+            "the same flag), or set rollout.routing_replay=off"
         )
     first = completions[0].routed_experts
     out = np.full((len(completions), length, *first.shape[1:]), -1, np.int16)

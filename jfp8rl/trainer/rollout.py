@@ -42,6 +42,7 @@ class RolloutSettings:
     overlong: bool
     overlong_buffer: int
     overlong_penalty: float
+    routing_replay: bool = False  # the batch carries the rollout's routed experts
 
 
 Group = tuple[list[Completion], np.ndarray, np.ndarray, list[str], list[str]]
@@ -143,6 +144,7 @@ def collect(
     batch = pack(
         comps, rewards, correct, keep, texts=texts, answers=answers, unparsed=unparsed,
         max_prompt_tokens=s.max_prompt_tokens, max_tokens=s.max_tokens, pad_id=fmt.pad_id,
+        routing=s.routing_replay,
     )  # fmt: skip
     stats = {
         "rollout/sampled_groups": float(sampled_groups),

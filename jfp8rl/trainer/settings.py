@@ -71,6 +71,7 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
         max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
         dynamic_sampling=r.dynamic_sampling, max_rounds=r.max_rounds, overlong=w.overlong,
         overlong_buffer=w.overlong_buffer, overlong_penalty=w.overlong_penalty,
+        routing_replay=r.routing_replay == "record",
     )  # fmt: skip
 
 

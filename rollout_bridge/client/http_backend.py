@@ -72,6 +72,7 @@ from rollout_bridge.backend import (
     RolloutBackend,
     RolloutError,
     SamplingParams,
+    decode_routed_experts,
 )
 from rollout_bridge.client.settings import ClientSettings
 from rollout_bridge.client.transport import Transport
@@ -220,6 +221,12 @@ class HttpBackend(RolloutBackend):
             pid = ch.get("prompt_token_ids")
             if pid is not None and list(pid) != prompts[i]:
                 raise RolloutError(f"{self.url}: {where}: prompt_token_ids differ from the prompt")
+            routed = None
+            if ch.get("routed_experts") is not None:  # vLLM --enable-return-routed-experts
+                try:
+                    routed = decode_routed_experts(ch["routed_experts"], len(prompts[i]) + len(ids))
+                except ValueError as e:
+                    raise RolloutError(f"{self.url}: {where}: {e}") from None
             out.append(
                 Completion(
                     prompt_index=i,
@@ -228,6 +235,7 @@ class HttpBackend(RolloutBackend):
                     logprobs=self._check_logprobs(lp, where),
                     finish_reason=reason,
                     weight_version=before,
+                    routed_experts=routed,
                 )
             )
         return out

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tokenizers.decoders import DecodeStream
 
-from rollout_bridge.backend import Completion, SamplingParams
+from rollout_bridge.backend import Completion, SamplingParams, encode_routed_experts
 
 SEED_INDICES = "jfp8rl_seed_indices"  # request extension field (CompletionRequest)
 LOGPROB_CLAMP = -9999.0  # vLLM's floor for -inf
@@ -308,7 +308,11 @@ def completion_body(
             "token_ids": ids if req.with_ids else None,
             "prompt_token_ids": list(c.prompt_ids) if req.with_ids else None,
             "prompt_logprobs": None,
-            "routed_experts": None,
+            # vLLM's --enable-return-routed-experts field (`rollout_bridge.serve` flag of the
+            # same name): the experts of every fed token, base64 .npy.
+            "routed_experts": (
+                None if c.routed_experts is None else encode_routed_experts(c.routed_experts)
+            ),
         }
         if req.want_logprobs:
             choice["logprobs"] = _logprobs_entry(tokenizer, ids, c.logprobs, req.as_ids)

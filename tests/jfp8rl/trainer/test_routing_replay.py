@@ -129,6 +129,8 @@ def test_update_routes_as_prepare_did(moe) -> None:
 
 
 def test_pack_aligns_the_record_with_tokens_and_refuses_a_partial_one() -> None:
+    """Packed only when routing replay asks (`routing=True`), token-aligned, -1 past each
+    sample; a completion without a record is refused naming the server flag."""
     rec = [np.arange(10, dtype=np.int16).reshape(5, 1, 2), np.ones((3, 1, 2), np.int16)]
 
     def completion(i, prompt, resp, routed=None):
@@ -140,20 +142,33 @@ def test_pack_aligns_the_record_with_tokens_and_refuses_a_partial_one() -> None:
 
     comps = [completion(0, (5, 6, 7), [8, 9], rec[0]), completion(1, (5,), [1, 2], rec[1])]
     b = pack(comps, np.zeros(2), np.zeros(2), np.ones(2, bool), max_prompt_tokens=4,
-             max_tokens=3, pad_id=0)  # fmt: skip
+             max_tokens=3, pad_id=0, routing=True)  # fmt: skip
+    assert (
+        pack(
+            comps,
+            np.zeros(2),
+            np.zeros(2),
+            np.ones(2, bool),
+            max_prompt_tokens=4,
+            max_tokens=3,
+            pad_id=0,
+        ).routing
+        is None
+    )  # not asked: not packed
     assert b.routing.shape == (2, 7, 1, 2) and b.routing.dtype == np.int16
     np.testing.assert_array_equal(b.routing[0, :5], rec[0])
     np.testing.assert_array_equal(b.routing[1, :3], rec[1])
     assert (b.routing[0, 5:] == -1).all() and (b.routing[1, 3:] == -1).all()
     comps[1] = completion(1, (5,), [1, 2])
-    with pytest.raises(Exception, match="1 of 2 completions carry no routed experts"):
+    with pytest.raises(
+        Exception,
+        match="1 of 2 completions carry no routed experts.*--enable-return-routed-experts",
+    ):
         pack(comps, np.zeros(2), np.zeros(2), np.ones(2, bool), max_prompt_tokens=4,
-             max_tokens=3, pad_id=0)  # fmt: skip
+             max_tokens=3, pad_id=0, routing=True)  # fmt: skip
 
 
 def test_config_refusals_name_the_key() -> None:
-    with pytest.raises(ConfigError, match="rollout.routing_replay=record needs rollout.backend"):
-        load_config(REPO_CONFIG, ["rollout.routing_replay=record", "rollout.backend=http"])
     with pytest.raises(ConfigError, match="rollout.routing_replay='sometimes' is not one of"):
         load_config(REPO_CONFIG, ["rollout.routing_replay=sometimes"])
     with pytest.raises(ConfigError, match="train.max_tokens_per_micro_batch"):

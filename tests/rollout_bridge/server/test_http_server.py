@@ -253,3 +253,44 @@ def test_cli_serves_an_hf_folder(tmp_path):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+
+
+def test_routed_experts_travel_as_vllm_returns_them():
+    """A server whose engine records routing (`--enable-return-routed-experts`) returns each
+    choice's experts as vLLM does (base64 .npy of the first num_tokens - 1 rows, decoded here
+    the way vLLM's protocol documents it), and the client hands the trainer the engine's own
+    record, the last token's row unknown (-1)."""
+    import base64
+    import io
+
+    cfg = get_config("tiny_qwen3_moe")
+    graphdef, _ = mf.init_model(cfg, 0)
+    params = from_hf_state_dict(cfg, sharp_hf_state(cfg, 1))
+    engine = EmbeddedBackend(
+        cfg, graphdef, params, recipe="fp8_block", eos_id=None, max_len=64, record_routing=True
+    )
+    state = ServerState(engine, model_name="moe", api_keys=[], tokenizer=build_byte_tokenizer())
+    server = make_server(state, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        sp = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3)
+        want = engine.generate(PROMPTS, sp)
+        got = HttpBackend(url, ClientSettings(max_retries=0)).generate(PROMPTS, sp)
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_array_equal(g.response_ids, w.response_ids)
+            n = len(w.prompt_ids) + len(w.response_ids)
+            assert g.routed_experts.shape == (n, cfg.num_layers, cfg.num_experts_per_tok)
+            np.testing.assert_array_equal(g.routed_experts[:-1], w.routed_experts[:-1])
+            assert (g.routed_experts[-1] == -1).all()
+        body = _post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3,
+                                             "temperature": 0.0, "return_token_ids": True},
+                     token=None)  # fmt: skip
+        choice = body["choices"][0]
+        rows = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+        assert rows.dtype == np.uint8
+        assert rows.shape == (len(PROMPTS[0]) + len(choice["token_ids"]) - 1, 2, 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+        engine.close()
