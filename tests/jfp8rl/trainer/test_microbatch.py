@@ -73,7 +73,7 @@ def _mini_batch(fns, params) -> dict[str, np.ndarray]:
     b["rewards"] = np.array([1, 0, 0, 1, 0, 1, 1, 0], np.float32)
     calibrated = True in fns.prepare_programs
     out, _ = fns.prepare(params, params, put_batch(b, make_mesh()), calibrate=calibrated)
-    mb = {k: b[k] for k in step_lib.MODEL_INPUTS + ("rollout_logp",)}
+    mb = step_lib.present(b, step_lib.MODEL_INPUTS + ("rollout_logp",))
     mb |= {k: np.asarray(v) for k, v in out.items()}
     noise = np.random.default_rng(4).normal(0, 0.3, size=(N, R)).astype(np.float32)
     m = b["response_mask"]
@@ -151,15 +151,15 @@ def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
 def _count_forwards(monkeypatch, fn, *args) -> dict[str, int]:
     """Model forwards traced into `fn`'s program, per recipe name."""
     counts: dict[str, int] = {}
-    real = mf.token_logprobs_and_entropy
+    real = mf.hidden_states_and_routing
 
     def counting(*a, recipe, **kw):
         counts[recipe.name] = counts.get(recipe.name, 0) + 1
         return real(*a, recipe=recipe, **kw)
 
-    monkeypatch.setattr(mf, "token_logprobs_and_entropy", counting)
+    monkeypatch.setattr(mf, "hidden_states_and_routing", counting)
     jax.make_jaxpr(fn)(*args)
-    monkeypatch.setattr(mf, "token_logprobs_and_entropy", real)
+    monkeypatch.setattr(mf, "hidden_states_and_routing", real)
     return counts
 
 

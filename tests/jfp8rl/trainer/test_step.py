@@ -259,7 +259,7 @@ def test_prepare_applies_the_configured_correction_and_rejection(tiny) -> None:
     fns = make_step_fns(graphdef, s, OptimSettings(1e-3, 0, 0.0, 1.0, 0.9, 0.999),
                         replicated_layout(mesh, params))  # fmt: skip
     t = SimpleNamespace(fns=fns, ref_params=None, mesh=mesh)
-    full, mets = stage_prepare(t, {"params": params}, SimpleNamespace(**batch), False)
+    full, mets = stage_prepare(t, {"params": params}, SimpleNamespace(**batch, routing=None), False)
     mask, roll = batch["response_mask"], batch["rollout_logp"]
     w, is_aux = is_weights(full["old_logp"], roll, mask, mode="icepop", cap=20.0, lower=0.05,
                            batch_normalize=True)  # fmt: skip
