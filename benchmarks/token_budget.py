@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
+from jfp8rl.trainer.forward import UPDATE_INPUTS, present
 from jfp8rl.trainer.microbatch import length_buckets, pack_token_budget, padding_share
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
+from jfp8rl.trainer.step import make_step_fns
 from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import get_algorithm
@@ -113,7 +114,7 @@ def cpu_part(a: argparse.Namespace) -> None:
         )  # fmt: skip
         fns[name] = make_step_fns(graphdef, s, opt, layout)
     out, _ = fns["fixed"].prepare(params, None, put_batch(batch, mesh), calibrate=False)
-    mb = {k: batch[k] for k in UPDATE_INPUTS} | {k: np.asarray(v) for k, v in out.items()}
+    mb = present(batch, UPDATE_INPUTS) | {k: np.asarray(v) for k, v in out.items()}
     lengths = batch["attention_mask"].sum(axis=1)
     plan = fns["token budget"].token_budget.plan(mb)[1]
     shares = {

@@ -66,12 +66,13 @@ from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.checkpoint import Checkpointer, require_intact
+from jfp8rl.trainer.forward import MODEL_INPUTS, present, response_logprobs
 from jfp8rl.trainer.loop import setup
 from jfp8rl.trainer.microbatch import map_micro, num_micro_batches
 from jfp8rl.trainer.settings import step_settings
 from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer, abstract_array
-from jfp8rl.trainer.step import MODEL_INPUTS, make_step_fns, present, response_logprobs
+from jfp8rl.trainer.step import make_step_fns
 from losses import calibrated as cal
 from models.fp8 import get_recipe
 

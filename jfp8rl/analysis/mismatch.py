@@ -73,11 +73,12 @@ from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.backends import push_format
+from jfp8rl.trainer.forward import gather_response
 from jfp8rl.trainer.loop import setup
 from jfp8rl.trainer.settings import step_settings
 from jfp8rl.trainer.stages import stage_prepare, stage_rollout, stage_sync
 from jfp8rl.trainer.state import Progress, Trainer
-from jfp8rl.trainer.step import gather_response, make_step_fns
+from jfp8rl.trainer.step import make_step_fns
 from losses.rollout_correction import mismatch_metrics
 from models import fp8
 from models import functional as mf

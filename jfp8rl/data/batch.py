@@ -18,7 +18,7 @@ trainer scores exactly what the backend saw.
 
 P = data.max_prompt_tokens and R = rollout.max_tokens are fixed, so every step has the same
 shapes and the jitted functions compile once. Response-aligned [N, R] arrays are what the loss
-takes (verl's `responses` layout); `jfp8rl.trainer.step.gather_response` moves [N, T] per-token values there.
+takes (verl's `responses` layout); `jfp8rl.trainer.forward.gather_response` moves [N, T] per-token values there.
 """
 
 from __future__ import annotations

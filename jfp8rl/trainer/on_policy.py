@@ -24,7 +24,7 @@ import numpy as np
 
 from jfp8rl.config import Config, ConfigError
 from jfp8rl.parallel import mesh as mesh_lib
-from jfp8rl.trainer.step import MODEL_INPUTS, present, response_logprobs
+from jfp8rl.trainer.forward import MODEL_INPUTS, present, response_logprobs
 from jfp8rl.trainer.step_settings import StepSettings
 
 

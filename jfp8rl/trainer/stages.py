@@ -35,11 +35,12 @@ from jfp8rl.trainer import on_policy
 from jfp8rl.trainer.backends import kv_scale_push, push_format, push_params, version
 from jfp8rl.trainer.errors import RunStopped, resume_hint
 from jfp8rl.trainer.evaluation import evaluate
+from jfp8rl.trainer.forward import UPDATE_INPUTS, present
 from jfp8rl.trainer.overlap import Collected
 from jfp8rl.trainer.policy import save_policy_folder
 from jfp8rl.trainer.rollout import collect, share_rollout
 from jfp8rl.trainer.state import Progress, Trainer, buffer_view
-from jfp8rl.trainer.step import CALIBRATION_ONLY, UPDATE_INPUTS, present
+from jfp8rl.trainer.step import CALIBRATION_ONLY
 from models.hf_io import iter_hf_state
 from models.sharding import host_array
 

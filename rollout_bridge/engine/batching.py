@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rollout_bridge.backend import RolloutError, SamplingParams
+from rollout_bridge.backend import Completion, RolloutError, SamplingParams
 
 MIN_ROWS, MIN_PROMPT, MIN_NEW = 8, 16, 16
 ROWS_PER_OCTAVE, LENGTHS_PER_OCTAVE = 8, 4
@@ -181,3 +181,39 @@ def score_batch(seqs: Sequence[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray
     for r, s in enumerate(seqs):
         tokens[r, : len(s)], mask[r, : len(s)] = s, 1
     return tokens, mask, [len(s) for s in seqs]
+
+
+def completions(
+    prompts: Sequence[tuple[int, ...]],
+    batch: GenerateBatch,
+    toks: np.ndarray,
+    lps: np.ndarray,
+    lens: np.ndarray,
+    routing: np.ndarray | None,
+    stops: set[int],
+    version: str,
+) -> list[Completion]:
+    """A decoded chunk's rows (`programs.generate_rows`' tokens, logprobs, lengths and recorded
+    routing) as completions: each row's first `lens[r]` tokens, "stop" when the last one is a
+    stop id, the routing of its prompt and response tokens. A non-finite logprob is refused."""
+    out = []
+    for r in range(batch.rows):
+        ids = toks[r, : lens[r]].astype(np.int32)
+        lp = lps[r, : lens[r]].astype(np.float32)
+        if not np.all(np.isfinite(lp)):
+            raise RolloutError(f"embedded: non-finite logprob in row {r}; weights hold NaN/inf?")
+        prompt_ids = prompts[batch.prompt_index[r]]
+        out.append(
+            Completion(
+                prompt_index=int(batch.prompt_index[r]),
+                prompt_ids=prompt_ids,
+                response_ids=ids,
+                logprobs=lp,
+                finish_reason="stop" if ids.size and int(ids[-1]) in stops else "length",
+                weight_version=version,
+                routed_experts=(
+                    None if routing is None else routing[r, : len(prompt_ids) + lens[r]]
+                ),
+            )
+        )
+    return out

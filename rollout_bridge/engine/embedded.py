@@ -67,6 +67,7 @@ from rollout_bridge.engine.batching import (
     DEFAULT_MAX_NUM_SEQS,
     GenerateBatch,
     check_ids,
+    completions,
     generate_batch,
     row_chunks,
     score_batch,
@@ -277,30 +278,7 @@ class EmbeddedBackend(RolloutBackend):
             toks, lps, lens = np.asarray(toks), np.asarray(lps), np.asarray(lens)
             routing = None if routing is None else np.asarray(routing)
             self._kv.keep_rows(batch.prompt, batch.mask, toks, lens, batch.max_new > 0)
-        out = []
-        for r in range(batch.rows):
-            ids = toks[r, : lens[r]].astype(np.int32)
-            lp = lps[r, : lens[r]].astype(np.float32)
-            if not np.all(np.isfinite(lp)):
-                raise RolloutError(
-                    f"embedded: non-finite logprob in row {r}; weights hold NaN/inf?"
-                )
-            stopped = ids.size > 0 and int(ids[-1]) in stops
-            prompt_ids = prompts[batch.prompt_index[r]]
-            out.append(
-                Completion(
-                    prompt_index=int(batch.prompt_index[r]),
-                    prompt_ids=prompt_ids,
-                    response_ids=ids,
-                    logprobs=lp,
-                    finish_reason="stop" if stopped else "length",
-                    weight_version=version,
-                    routed_experts=(
-                        None if routing is None else routing[r, : len(prompt_ids) + lens[r]]
-                    ),
-                )
-            )
-        return out
+        return completions(prompts, batch, toks, lps, lens, routing, stops, version)
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """Teacher-forced logprobs under the rollout recipe, temperature 1; entry 0 = 0

@@ -20,8 +20,9 @@ import numpy as np
 from tiny_run import random_batch
 
 from jfp8rl.parallel.mesh import make_mesh, param_layout, put_batch
+from jfp8rl.trainer.forward import UPDATE_INPUTS, present
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns
+from jfp8rl.trainer.step import make_step_fns
 from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import Algorithm
@@ -86,7 +87,7 @@ def prepared(recipe: str, cfg, graphdef, params0, batch) -> dict[str, np.ndarray
     mesh, fns = fns_for(recipe, (1, 1, 1), cfg, graphdef, params0)
     params = init_state(fns, params0)["params"]
     out, _ = fns.prepare(params, None, put_batch(batch, mesh), calibrate=True)
-    full = {k: batch[k] for k in UPDATE_INPUTS} | {k: np.asarray(v) for k, v in out.items()}
+    full = present(batch, UPDATE_INPUTS) | {k: np.asarray(v) for k, v in out.items()}
     noise = np.random.default_rng(4).normal(0, 0.2, size=(N, R)).astype(np.float32)
     full["old_logp"] = full["old_logp"] + noise * full["response_mask"]
     full["old_logp_bf16"] = full["old_logp_bf16"] + noise * full["response_mask"]

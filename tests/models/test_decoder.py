@@ -137,10 +137,10 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_block"])
 def test_materialized_cotangent_leaves_loss_and_gradients(monkeypatch, recipe):
-    """The SwiGLU cotangent barrier (`decoder.materialized_cotangent`) only changes how XLA fuses
+    """The SwiGLU cotangent barrier (`layers.materialized_cotangent`) only changes how XLA fuses
     the backward: the loss and every gradient equal the plain identity's bit for bit, and its
     jaxpr holds one optimisation barrier per projection (gate and up)."""
-    from models import decoder
+    from models import layers
 
     cfg, graphdef, params = tiny("tiny_qwen3")
     tokens, mask = left_padded_batch(cfg.vocab_size, 9, (0, 2))
@@ -154,7 +154,7 @@ def test_materialized_cotangent_leaves_loss_and_gradients(monkeypatch, recipe):
         return sum(e.primitive.name == "optimization_barrier" for e in all_eqns(jaxpr))
 
     with_barrier, n_with = jax.jit(jax.value_and_grad(loss))(params), barriers()
-    monkeypatch.setattr(decoder, "materialized_cotangent", lambda x: x)
+    monkeypatch.setattr(layers, "materialized_cotangent", lambda x: x)
     plain, n_plain = jax.jit(jax.value_and_grad(loss))(params), barriers()
     assert n_with == n_plain + 2
     assert float(with_barrier[0]) == float(plain[0])

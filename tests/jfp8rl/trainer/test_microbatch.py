@@ -18,7 +18,7 @@ import pytest
 from tiny_run import random_batch
 
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
-from jfp8rl.trainer import step as step_lib
+from jfp8rl.trainer.forward import MODEL_INPUTS, present
 from jfp8rl.trainer.microbatch import (
     length_buckets,
     pack_token_budget,
@@ -73,7 +73,7 @@ def _mini_batch(fns, params) -> dict[str, np.ndarray]:
     b["rewards"] = np.array([1, 0, 0, 1, 0, 1, 1, 0], np.float32)
     calibrated = True in fns.prepare_programs
     out, _ = fns.prepare(params, params, put_batch(b, make_mesh()), calibrate=calibrated)
-    mb = step_lib.present(b, step_lib.MODEL_INPUTS + ("rollout_logp",))
+    mb = present(b, MODEL_INPUTS + ("rollout_logp",))
     mb |= {k: np.asarray(v) for k, v in out.items()}
     noise = np.random.default_rng(4).normal(0, 0.3, size=(N, R)).astype(np.float32)
     m = b["response_mask"]

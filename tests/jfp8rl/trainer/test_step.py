@@ -11,8 +11,9 @@ from tiny_run import random_batch
 
 from jfp8rl.data.batch import pack
 from jfp8rl.parallel.mesh import make_mesh, put_batch, replicated_layout
+from jfp8rl.trainer.forward import gather_response
 from jfp8rl.trainer.optimizer import OptimSettings
-from jfp8rl.trainer.step import gather_response, make_step_fns
+from jfp8rl.trainer.step import make_step_fns
 from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig, init_calib_state
 from losses.registry import get_algorithm
