@@ -3,6 +3,8 @@ memory plan (`jfp8rl.analysis.memory_plan`), ending with exactly one line:
 
     plan: <preset> mesh data=D fsdp=F tensor=T micro_batch=M tokens=L: per-device peak X.X GiB (state Y.Y GiB), compiled in Z s
 
+(with `expert=X` after `tensor=T` where the mesh has an expert axis of size X > 1)
+
 `--devices N` plans for N forced CPU host devices (`XLA_FLAGS=
 --xla_force_host_platform_device_count=N`, set here before jax starts); without it the plan is
 for the machine's real devices (on a GPU host: the GPUs). `--layers L` overrides the preset's

@@ -1,4 +1,4 @@
-"""Partition specs of the model params over a {data, fsdp, tensor} mesh.
+"""Partition specs of the model params over a {data, fsdp, expert, tensor} mesh.
 
 Layout in docs/design.md section 9.
 
@@ -14,6 +14,24 @@ code base's [in, out] kernel layout:
     down_proj.kernel       [L, F, D]       (None, tensor, fsdp)    row-parallel
     lm_head                [D, V]          (fsdp, tensor)          vocab-parallel head
     norms (any)            replicated      (small: D or E floats per layer)
+
+Mixture-of-Experts layers (Qwen3-MoE):
+
+    mlp.gate.kernel        [L, D, E]       (None, fsdp, None)      the router
+    mlp.experts.gate/up_proj [L, E, D, I]  (None, expert, fsdp, tensor)   as the dense MLP's,
+    mlp.experts.down_proj  [L, E, I, D]    (None, expert, tensor, fsdp)   experts over `expert`
+
+The experts' E axis is split over `expert` (expert parallelism, `models.expert_parallel`: a
+device holds E / expert of every layer's experts), their D and I axes as the dense MLP's. The
+router is small (D x E floats per layer) and every device routes its own tokens over all E
+experts, so its E axis is never split: its D axis is FSDP-sharded like every matrix's, and
+all-gathered in the layer.
+
+The `expert` axis also splits the batch (`BATCH_AXES`): its devices are data-parallel for
+everything but the experts, so for the other params it is one more FSDP axis: the dims that
+`fsdp` splits (the embed role) are split over `fsdp x expert` where both are in the mesh (over
+`fsdp` alone, else, when the product does not divide), and the experts' D, whose E already
+takes `expert`, over `fsdp`. A mesh without an expert axis gets the table above unchanged.
 
 FSDP shards every large matrix over `fsdp` (ZeRO-3: XLA all-gathers a layer's weights inside
 the layer scan and reduce-scatters its gradients); `tensor` splits the attention heads and the
@@ -40,12 +58,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 
-# The mesh axes a batch is split over (the trainer's `jfp8rl.parallel.mesh.BATCH_AXES`).
-BATCH_AXES = ("data", "fsdp")
+# The mesh axes a batch is split over, outermost first (the trainer's
+# `jfp8rl.parallel.mesh.BATCH_AXES`). `expert` is innermost, so the devices of one expert group
+# hold one contiguous block of the batch (`models.expert_parallel`).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 # Logical roles of each param's dims, by the param's path suffix (layer params without L).
 _EMBED, _HEADS_Q, _HEADS_KV, _MLP = "embed", "heads_q", "heads_kv", "mlp"
-_VOCAB = "vocab"
+_VOCAB, _EXPERTS = "vocab", "experts"
 _RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): (_VOCAB, _EMBED),
     ("q_proj", "kernel"): (_EMBED, _HEADS_Q),
@@ -59,16 +79,23 @@ _RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("up_proj", "kernel"): (_EMBED, _MLP),
     ("down_proj", "kernel"): (_MLP, _EMBED),
     ("lm_head",): (_EMBED, _VOCAB),
+    ("mlp", "gate", "kernel"): (_EMBED, None),  # the MoE router
+    ("experts", "gate_proj"): (_EXPERTS, _EMBED, _MLP),
+    ("experts", "up_proj"): (_EXPERTS, _EMBED, _MLP),
+    ("experts", "down_proj"): (_EXPERTS, _MLP, _EMBED),
 }
 
 
-def _role_axes(fsdp_axis: str, tensor_axis: str) -> dict[str, str]:
+def _role_axes(fsdp_axis: str, tensor_axis: str, expert_axis: str) -> dict[str, tuple[str, ...]]:
+    """The axes each role's dim is split over, jointly, in this order (a dim takes the longest
+    prefix of those still free in its spec whose product divides it)."""
     return {
-        _EMBED: fsdp_axis,
-        _VOCAB: tensor_axis,
-        _HEADS_Q: tensor_axis,
-        _HEADS_KV: tensor_axis,
-        _MLP: tensor_axis,
+        _EMBED: (fsdp_axis, expert_axis),
+        _VOCAB: (tensor_axis,),
+        _HEADS_Q: (tensor_axis,),
+        _HEADS_KV: (tensor_axis,),
+        _MLP: (tensor_axis,),
+        _EXPERTS: (expert_axis,),
     }
 
 
@@ -77,7 +104,7 @@ def _spec(
     shape: tuple[int, ...],
     cfg: ModelConfig,
     mesh_shape: Mapping[str, int],
-    role_axes: dict[str, str],
+    role_axes: dict[str, tuple[str, ...]],
 ) -> PartitionSpec:
     """The spec of one param from its path, shape and the mesh's axis sizes."""
     # Stacked layer params sit under model.layers, also inside an optimizer state's tree.
@@ -90,14 +117,21 @@ def _spec(
         raise ValueError(f"param {'.'.join(path)}: shape {shape} does not match roles {roles}")
     # Whole heads per device: the number of heads (not H*E) must divide.
     units = {_HEADS_Q: cfg.num_heads, _HEADS_KV: cfg.num_kv_heads}
-    out: list[str | None] = []
+    out: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
     for dim, role in zip(dims, roles, strict=True):
-        axis = role_axes[role] if role else None
-        size = mesh_shape.get(axis, 1) if axis else 1
         count = units.get(role, dim)
-        ok = size > 1 and dim % size == 0 and count % size == 0 and axis not in out
-        out.append(axis if ok else None)
+        axes = role_axes.get(role, ()) if role else ()
+        free = [a for a in axes if mesh_shape.get(a, 1) > 1 and a not in used]
+        while free and (dim % _size(free, mesh_shape) or count % _size(free, mesh_shape)):
+            free.pop()
+        used.update(free)
+        out.append(None if not free else free[0] if len(free) == 1 else tuple(free))
     return PartitionSpec(*(([None] if stacked else []) + out))
+
+
+def _size(axes: list[str], mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
 
 
 def param_partition_specs(
@@ -107,6 +141,7 @@ def param_partition_specs(
     *,
     fsdp_axis: str = "fsdp",
     tensor_axis: str = "tensor",
+    expert_axis: str = "expert",
 ) -> Any:
     """A pytree like `params` (arrays or `jax.ShapeDtypeStruct`s, an `nnx.State` or its pure
     dict) with a `PartitionSpec` per param (module docstring). `mesh_shape` maps axis names to
@@ -115,7 +150,7 @@ def param_partition_specs(
     Params are recognised by their path suffix, so any tree whose leaves sit under the params'
     paths works too: an optax state (`mu`/`nu` mirror the params and get their specs; scalars
     such as `count` are replicated)."""
-    role_axes = _role_axes(fsdp_axis, tensor_axis)
+    role_axes = _role_axes(fsdp_axis, tensor_axis, expert_axis)
 
     def one(key_path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
         path = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)

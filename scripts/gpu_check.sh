@@ -2,9 +2,9 @@
 # The one prepared GPU check of the FP8 Hopper kernel (docs/kernels.md), for an H100/H200
 # (jax 0.11.2 with CUDA 13, flax, jaxtyping; no network needed). One call does:
 #   1. the kernel tests on the GPU, compiled (not interpreted): pytest
-#      tests/models/test_fp8_kernels.py with a fresh random seed (FP8_KERNEL_TEST_SEED) and a
-#      NaN-poisoned allocator before each kernel call (see the test file), plus the GPU-only
-#      large case;
+#      tests/models/test_fp8_kernels.py and test_fp8_grouped_kernel.py with a fresh random
+#      seed (FP8_KERNEL_TEST_SEED) and a NaN-poisoned allocator before each kernel call (see
+#      the test files), plus the GPU-only large case;
 #   2. the SASS: compiles the kernel at 4096^3 with Mosaic GPU's dump switches and counts the
 #      QGMMA (FP8 wgmma) instructions; also the PTX wgmma lines and ptxas' register/spill report;
 #   3. benchmarks/fp8_matmul.py --sweep at 4096^3 and the Qwen3-8B shapes (target: the kernel's
@@ -56,7 +56,8 @@ fi
 SEED="${FP8_KERNEL_TEST_SEED:-$RANDOM$RANDOM}"
 note "== 1. kernel tests (FP8_KERNEL_TEST_SEED=$SEED)"
 FP8_KERNEL_TEST_SEED="$SEED" timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider \
-  tests/models/test_fp8_kernels.py "${TEST_ARGS[@]}" 2>&1 | tee "$OUT/tests.log" | tail -n 15
+  tests/models/test_fp8_kernels.py tests/models/test_fp8_grouped_kernel.py "${TEST_ARGS[@]}" \
+  2>&1 | tee "$OUT/tests.log" | tail -n 15
 note "tests: $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -n 1)"
 
 # 2. SASS: QGMMA present? ------------------------------------------------------------------

@@ -8,6 +8,7 @@ analytic state size. Nothing is allocated. It ends with exactly one line:
 
     plan: <preset> mesh data=D fsdp=F tensor=T micro_batch=M tokens=L: per-device peak X.X GiB (state Y.Y GiB), compiled in Z s
 
+(`tensor=T expert=X` where the mesh has an expert axis of size X > 1.)
 peak = max over the programs of (arguments + outputs + temporaries - aliased); state = params
 + optimizer state per device; compiled = lowering + compiling every planned program.
 
@@ -29,11 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jfp8rl.config import Config
+from jfp8rl.config import Config, check_batch_split
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer import token_budget
-from jfp8rl.trainer.settings import build_mesh, step_settings
-from jfp8rl.trainer.step import UPDATE_INPUTS, make_step_fns, present
+from jfp8rl.trainer.forward import UPDATE_INPUTS, present
+from jfp8rl.trainer.settings import step_settings
+from jfp8rl.trainer.step import make_step_fns
 from losses import calibrated as cal
 from models import functional as mf
 from models.config import PRESETS
@@ -134,7 +136,8 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
     if num_layers:
         mcfg = mcfg.replace(num_layers=num_layers)
     graphdef, params = mf.abstract_model(mcfg)
-    mesh = build_mesh(cfg)
+    mesh = mesh_lib.mesh_for_config(cfg.train.mesh)  # the trainer's mesh, expert axis included
+    check_batch_split(cfg, mesh_lib.batch_size_divisor(mesh))
     layout = mesh_lib.param_layout(mesh, mcfg, params)
     settings, opt = step_settings(cfg)
     fns = make_step_fns(graphdef, settings, opt, layout)
@@ -169,7 +172,7 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
         f"remat={mcfg.remat}, attention={mcfg.attention}; mesh {shape} on "
         f"{mesh.devices.size} {jax.devices()[0].platform} devices"
     )
-    shards = shape["fsdp"] * shape["tensor"]
+    shards = shape["fsdp"] * shape["expert"] * shape["tensor"]  # every param, where all divide
     log(
         f"state per device: params {_fmt(bytes_per_device(state['params']))}, optimizer state "
         f"{_fmt(bytes_per_device(state['opt_state']))}, total {_fmt(state_bytes)} "
@@ -213,9 +216,10 @@ def plan(cfg: Config, log: Any = print, num_layers: int | None = None) -> dict[s
     micro = f"micro_batch={cfg.train.micro_batch_size or cfg.mini_batch_size}"
     if fns.token_budget is not None:
         micro = f"micro_tokens={settings.max_tokens_per_micro_batch}"
+    expert = f" expert={shape['expert']}" if shape["expert"] > 1 else ""
     line = (
         f"plan: {m.preset} mesh data={shape['data']} fsdp={shape['fsdp']} "
-        f"tensor={shape['tensor']} {micro} tokens={prompt_len + resp_len}: "
+        f"tensor={shape['tensor']}{expert} {micro} tokens={prompt_len + resp_len}: "
         f"per-device peak {peak / GIB:.1f} GiB (state {state_bytes / GIB:.1f} GiB), "
         f"compiled in {compile_s:.0f} s"
     )

@@ -67,8 +67,8 @@ class Config:
                 f">= {seq_len} (or 0: fixed micro-batches)"
             )
         m = self.train.mesh
-        if -1 not in (m.data, m.fsdp):
-            check_batch_split(self, m.data * m.fsdp)
+        if -1 not in (m.data, m.fsdp, m.expert):
+            check_batch_split(self, m.data * m.fsdp * m.expert)
         check_exact_on_policy(self.rollout, self.train.recipe, m.tensor)
 
     @property
@@ -84,7 +84,7 @@ class Config:
 
 def check_batch_split(cfg: Config, batch_devices: int) -> None:
     """Mini- and micro-batches must split evenly: micro | mini, and both are multiples of the
-    `batch_devices` = data x fsdp devices that share the samples (a -1 mesh axis is checked
+    `batch_devices` = data x fsdp x expert devices that share the samples (a -1 mesh axis is checked
     once the mesh is built)."""
     mini, micro = cfg.mini_batch_size, cfg.train.micro_batch_size
     if micro and micro < mini and mini % micro:
@@ -97,5 +97,5 @@ def check_batch_split(cfg: Config, batch_devices: int) -> None:
         what = "train.micro_batch_size" if per_forward == micro else "the mini-batch size"
         raise ConfigError(
             f"{what} {per_forward} must be a multiple of the {batch_devices} devices of "
-            "train.mesh data x fsdp that split the samples"
+            "train.mesh data x fsdp x expert that split the samples"
         )

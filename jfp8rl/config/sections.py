@@ -299,15 +299,19 @@ class CalibrationConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    # Devices per axis of the (data, fsdp, tensor) mesh (jfp8rl.parallel.mesh); one may be -1 = the
-    # remaining devices. data: params replicated, samples split; fsdp: params and optimizer
-    # state sharded (models.sharding), samples split; tensor: attention/MLP projections split.
+    # Devices per axis of the (data, fsdp, expert, tensor) mesh (jfp8rl.parallel.mesh); one may
+    # be -1 = the remaining devices. data: params replicated, samples split; fsdp: params and
+    # optimizer state sharded (models.sharding), samples split; tensor: attention/MLP
+    # projections split; expert: a Mixture-of-Experts model's experts split (expert
+    # parallelism, models.expert_parallel: tokens exchanged all-to-all), samples split, the
+    # other params sharded as over fsdp (a dense model: one more FSDP axis).
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
-        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor, "expert": self.expert}
         for name, v in sizes.items():
             if v == 0 or v < -1:
                 raise ConfigError(f"train.mesh.{name}={v} must be a positive int or -1 (the rest)")
@@ -331,7 +335,7 @@ class TrainConfig:
     mini_batches: int = 4
     # Sequences per forward/backward (gradients accumulated over a mini-batch's micro-batches
     # in one program, `prepare` runs micro-batch by micro-batch); 0 = the whole mini-batch.
-    # Must divide the mini-batch and be a multiple of train.mesh data x fsdp.
+    # Must divide the mini-batch and be a multiple of train.mesh data x fsdp x expert.
     micro_batch_size: int = 0
     # Token-budget micro-batches of the update (jfp8rl/trainer/token_budget.py): at most this
     # many tokens per device per micro-batch, sequences sorted by length and each micro-batch

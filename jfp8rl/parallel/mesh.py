@@ -1,16 +1,20 @@
 """The device mesh and the shardings of the train state and the batch (docs/design.md section 9).
 
-Three named axes, `("data", "fsdp", "tensor")`, sized by `train.mesh`:
+Four named axes, `("data", "fsdp", "expert", "tensor")`, sized by `train.mesh`:
 
 * params: the PartitionSpecs of `models.sharding` (FSDP over `fsdp` for every large matrix,
-  column/row tensor parallelism over `tensor`), replicated over `data`;
+  column/row tensor parallelism over `tensor`, a Mixture-of-Experts model's experts over
+  `expert`), replicated over `data`; the `expert` axis also FSDP-shards the dims `fsdp` splits
+  of the params other than the experts;
 * optimizer state: every leaf that mirrors a param (Adam's mu and nu) takes that param's spec
   (`optax.tree_map_params`); everything else (step counts) is replicated;
 * calibration state, PRNG, metrics: replicated scalars;
-* batch arrays [N, ...]: samples split over `data x fsdp` (FSDP devices each see their own
-  samples and all-gather the weights they need, as in nanodo's `fsdp.py`).
+* batch arrays [N, ...]: samples split over `data x fsdp x expert` (FSDP devices each see their
+  own samples and all-gather the weights they need, as in nanodo's `fsdp.py`; the expert axis
+  splits the batch too, innermost: its devices are data-parallel for all but the experts, whose
+  tokens they exchange, `models.expert_parallel`).
 
-The default `train.mesh` is 1 x 1 x 1, so a single-CPU run and an 8-device run
+The default `train.mesh` is 1 x 1 x 1 x 1, so a single-CPU run and an 8-device run
 (`XLA_FLAGS=--xla_force_host_platform_device_count=8`) run the same jitted code. With several
 trainer processes (`jfp8rl.parallel.distributed`) the mesh spans all their devices, process-major.
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -30,28 +35,34 @@ import optax
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.sharding import param_partition_specs
+from jfp8rl.config import ConfigError
+from jfp8rl.config.sections import MeshConfig
+from models.sharding import BATCH_AXES, param_partition_specs
 
-AXES = ("data", "fsdp", "tensor")
-# Samples are split over both data-parallel axes.
-BATCH_AXES = ("data", "fsdp")
+# Outermost first: `tensor` innermost (the fastest links), then `expert` (its all-to-all).
+AXES = ("data", "fsdp", "expert", "tensor")
+# Samples are split over the data-parallel axes, `BATCH_AXES` = (data, fsdp, expert) (from
+# `models.sharding`, whose batch constraint and expert exchange must agree with it).
 
 
-def resolve_mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) with a -1 entry replaced by the remaining devices.
+def resolve_mesh(sizes: Mapping[str, int], n_devices: int) -> dict[str, int]:
+    """The axes' sizes (a subset of `AXES`; the others are 1) with a -1 entry replaced by the
+    remaining devices, in `AXES` order.
 
     Raises ValueError when more than one entry is -1, an entry is 0 or < -1, the product
     does not divide / exceed `n_devices`.
     """
-    sizes = [data, fsdp, tensor]
-    if any(v == 0 or v < -1 for v in sizes):
-        raise ValueError(
-            f"mesh sizes must be positive or -1, got data={data} fsdp={fsdp} tensor={tensor}"
-        )
-    free = [i for i, v in enumerate(sizes) if v == -1]
+    unknown = set(sizes) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the axes are {AXES}")
+    sizes = {a: sizes[a] for a in AXES if a in sizes}
+    named = " ".join(f"{a}={v}" for a, v in sizes.items())
+    if any(v == 0 or v < -1 for v in sizes.values()):
+        raise ValueError(f"mesh sizes must be positive or -1, got {named}")
+    free = [a for a, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ValueError("at most one mesh axis may be -1 (the remaining devices)")
-    known = math.prod(v for v in sizes if v != -1)
+    known = math.prod(v for v in sizes.values() if v != -1)
     if free:
         if n_devices % known:
             raise ValueError(
@@ -59,18 +70,31 @@ def resolve_mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tup
                 f"the other axes' product {known}"
             )
         sizes[free[0]] = n_devices // known
-    if math.prod(sizes) > n_devices:
+    if math.prod(sizes.values()) > n_devices:
+        product = " x ".join(f"{a}={v}" for a, v in sizes.items())
         raise ValueError(
-            f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
-            f"{math.prod(sizes)} devices, only {n_devices} available"
+            f"mesh {product} needs {math.prod(sizes.values())} devices, only {n_devices} available"
         )
-    return sizes[0], sizes[1], sizes[2]
+    return {a: sizes.get(a, 1) for a in AXES}
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Any = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over the first data*fsdp*tensor devices (-1: the rest)."""
+def resolve_mesh_shape(data: int, fsdp: int, tensor: int, n_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) of a mesh without an expert axis, a -1 entry replaced by the
+    remaining devices (`resolve_mesh`, which names the expert axis too)."""
+    r = resolve_mesh({"data": data, "fsdp": fsdp, "tensor": tensor}, n_devices)
+    return r["data"], r["fsdp"], r["tensor"]
+
+
+def make_mesh(
+    data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Any = None, *, expert: int = 1
+) -> Mesh:
+    """A (data, fsdp, expert, tensor) mesh over the first data*fsdp*expert*tensor devices (one
+    size may be -1: the rest)."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(data, fsdp, tensor, len(devices))
+    sizes = {"data": data, "fsdp": fsdp, "tensor": tensor} | (
+        {"expert": expert} if expert != 1 else {}
+    )
+    shape = tuple(resolve_mesh(sizes, len(devices)).values())
     n = math.prod(shape)
     if jax.process_count() > 1:
         return Mesh(multi_process_grid(shape, devices), AXES)
@@ -82,23 +106,39 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, devices: Any = None
     return Mesh(grid, AXES)
 
 
-def multi_process_grid(shape: tuple[int, int, int], devices: list[Any]) -> np.ndarray:
+def mesh_for_config(m: MeshConfig, devices: Any = None) -> Mesh:
+    """The mesh of `train.mesh`; a size the devices cannot hold is a ConfigError naming it."""
+    try:
+        return make_mesh(m.data, m.fsdp, m.tensor, devices, expert=m.expert)
+    except ValueError as e:
+        named = f"data: {m.data}, fsdp: {m.fsdp}, tensor: {m.tensor}"
+        named += f", expert: {m.expert}" if m.expert != 1 else ""
+        raise ConfigError(f"train.mesh={{{named}}}: {e}") from e
+
+
+def multi_process_grid(shape: tuple[int, ...], devices: list[Any]) -> np.ndarray:
     """The device grid of a mesh over several processes (`jfp8rl.parallel.distributed`): every device
     of every process, process-major, so the outer axes span the hosts and `tensor` (then
-    `fsdp`) stays inside one host's fast links; e.g. 2 hosts x 8 GPUs as data=2 x fsdp=8 keeps
-    FSDP's all-gathers on NVLink and only the gradient all-reduce crosses hosts."""
+    `expert`, `fsdp`) stays inside one host's fast links; e.g. 2 hosts x 8 GPUs as data=2 x
+    fsdp=8 keeps FSDP's all-gathers on NVLink and only the gradient all-reduce crosses hosts."""
     if math.prod(shape) != len(devices):
         raise ValueError(
             f"with {jax.process_count()} processes the mesh must use all {len(devices)} "
-            f"devices, data x fsdp x tensor = {math.prod(shape)} (set one axis to -1)"
+            f"devices, {' x '.join(AXES[-len(shape) :])} = {math.prod(shape)} (set one axis "
+            "to -1)"
         )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     return np.array(ordered).reshape(shape)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh's axes among `BATCH_AXES` (a mesh built elsewhere may lack some)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
 def batch_size_divisor(mesh: Mesh) -> int:
     """Sample counts (micro-batches, mini-batches) must be multiples of this."""
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -107,8 +147,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharded(mesh: Mesh) -> NamedSharding:
-    """Batch arrays [N, ...]: samples split over `data x fsdp`."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+    """Batch arrays [N, ...]: samples split over `data x fsdp x expert`."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))
 
 
 @dataclasses.dataclass(frozen=True)

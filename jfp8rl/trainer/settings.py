@@ -76,14 +76,8 @@ def rollout_settings(cfg: Config) -> RolloutSettings:
 
 
 def build_mesh(cfg: Config) -> jax.sharding.Mesh:
-    """The configured (data, fsdp, tensor) mesh; errors name `train.mesh`."""
-    m = cfg.train.mesh
-    try:
-        mesh = mesh_lib.make_mesh(m.data, m.fsdp, m.tensor)
-    except ValueError as e:
-        raise ConfigError(
-            f"train.mesh={{data: {m.data}, fsdp: {m.fsdp}, tensor: {m.tensor}}}: {e}"
-        ) from e
+    """The configured (data, fsdp, expert, tensor) mesh; errors name `train.mesh`."""
+    mesh = mesh_lib.mesh_for_config(cfg.train.mesh)
     check_batch_split(cfg, mesh_lib.batch_size_divisor(mesh))
     return mesh
 

@@ -103,10 +103,3 @@ def test_fp8_rounding_is_visible_and_bf16_is_ragged_dot() -> None:
     y = grouped_dot(jnp.asarray(x), jnp.asarray(w), sizes, fp8.FP8_BLOCK)
     rel = np.abs(np.asarray(y) - np.asarray(plain))[: sum(SIZES)].max() / np.abs(plain).max()
     assert 1e-4 < rel < 0.1
-
-
-def test_pallas_backend_is_refused_with_the_fix() -> None:
-    recipe = fp8.get_recipe("fp8_block", backend="pallas")
-    x, w, _ = operands()
-    with pytest.raises(NotImplementedError, match="only 'emulate'"):
-        grouped_dot(jnp.asarray(x), jnp.asarray(w), jnp.asarray(SIZES), recipe)
