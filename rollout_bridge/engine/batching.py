@@ -195,7 +195,8 @@ def completions(
 ) -> list[Completion]:
     """A decoded chunk's rows (`programs.generate_rows`' tokens, logprobs, lengths and recorded
     routing) as completions: each row's first `lens[r]` tokens, "stop" when the last one is a
-    stop id, the routing of its prompt and response tokens. A non-finite logprob is refused."""
+    stop id, the routing of its prompt and response tokens (`_fed_routing`). A non-finite
+    logprob is refused."""
     out = []
     for r in range(batch.rows):
         ids = toks[r, : lens[r]].astype(np.int32)
@@ -212,8 +213,17 @@ def completions(
                 finish_reason="stop" if ids.size and int(ids[-1]) in stops else "length",
                 weight_version=version,
                 routed_experts=(
-                    None if routing is None else routing[r, : len(prompt_ids) + lens[r]]
+                    None if routing is None else _fed_routing(routing[r], len(prompt_ids) + lens[r])
                 ),
             )
         )
+    return out
+
+
+def _fed_routing(row: np.ndarray, n: int) -> np.ndarray:
+    """A row's routing record of its n tokens, the last one's -1: a sample's last token is
+    fed only when other rows keep the decode loop going, so it is never part of the record
+    (as vLLM's `routed_experts` holds n - 1 tokens)."""
+    out = row[:n].copy()
+    out[n - 1 :] = -1
     return out
