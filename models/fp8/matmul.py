@@ -36,6 +36,21 @@ def _f32_matmul(a: Array, b: Array) -> Array:
     return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
+def transposed_left_operand(x: Array) -> Array:
+    """x with its last two axes swapped, as the left operand of a weight-gradient GEMM
+    (x^T . g, summed over the tokens).
+
+    XLA folds a transpose into the dot's dimension numbers. On XLA:CPU a left operand contracted
+    along its rows then misses the GEMM library (YNNPACK takes a transposed right operand, not a
+    transposed left one) and runs as a generic dot at about half the speed; so on CPU the
+    transpose is materialised (row-major, behind an optimization barrier), which costs one copy
+    of the activations and makes the product a library GEMM. On GPU the GEMM reads transposed
+    operands natively and the transpose is left to it. Values are the same either way; only
+    the order of the f32 sums over the tokens can differ."""
+    xt = jnp.swapaxes(x, -1, -2)
+    return jax.lax.optimization_barrier(xt) if jax.default_backend() == "cpu" else xt
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_matmul(a: Array, b: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     """a [*, M, K] @ b [*, K, N] with both operands quantized by the recipe; f32 accumulation."""
@@ -62,7 +77,7 @@ def _fp8_matmul_bwd(recipe, out_dtype, res, g):
     # wgrad: db = a^T [*, K, M] . g [*, M, N], summed over the tokens M (axis -2 of both).
     aq_w = fake_quantize_operand(a, r.fwd_format, -2, r.act_granularity, "act", r)
     gq_w = fake_quantize_operand(g, r.bwd_format, -2, r.grad_granularity, "grad", r)
-    db = _f32_matmul(jnp.swapaxes(aq_w, -1, -2), gq_w)
+    db = _f32_matmul(transposed_left_operand(aq_w), gq_w)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 
@@ -86,7 +101,13 @@ def _high_precision_dot_general(
     precision: object = None,
     preferred_element_type: jnp.dtype | None = None,
 ) -> Array:
-    """`lax.dot_general` with the weights cast to the activations' (compute) dtype."""
+    """`lax.dot_general` with the weights cast to the activations' (compute) dtype. On a CPU
+    backend a linear layer's product (x [..., K] . w [K, N]) takes `_linear`'s gradient rule
+    (elsewhere autodiff's, which keeps `jax.checkpoint`'s "save_dots" policy seeing the dot)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    linear = tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
+    if linear and rhs.ndim == 2 and jax.default_backend() == "cpu":
+        return _linear(lhs, rhs, precision, preferred_element_type)
     return jax.lax.dot_general(
         lhs,
         rhs.astype(lhs.dtype),
@@ -94,6 +115,39 @@ def _high_precision_dot_general(
         precision=precision,
         preferred_element_type=preferred_element_type,
     )
+
+
+def _linear_product(x: Array, w: Array, precision: object, out: jnp.dtype | None) -> Array:
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, precision=precision, preferred_element_type=out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _linear(x: Array, w: Array, precision: object, out: jnp.dtype | None) -> Array:
+    """x [..., K] . w [K, N] in x's dtype (w cast to it). Its gradient is autodiff's, except
+    that the weight gradient's tokens-contracted GEMM takes its left operand through
+    `transposed_left_operand`."""
+    return _linear_product(x, w.astype(x.dtype), precision, out)
+
+
+def _linear_fwd(x, w, precision, out):
+    return _linear(x, w, precision, out), (x, w)
+
+
+def _linear_bwd(precision, out, res, g):
+    x, w = res
+    wc = w.astype(x.dtype)
+    (dx,) = jax.vjp(lambda x_: _linear_product(x_, wc, precision, out), x)[1](g)
+    x2 = x.reshape(-1, x.shape[-1])
+    g2 = g.reshape(-1, g.shape[-1])
+    dw = jax.lax.dot_general(
+        transposed_left_operand(x2), g2, (((1,), (0,)), ((), ())), precision=precision,
+        preferred_element_type=out,
+    )  # fmt: skip
+    return dx, dw.astype(w.dtype)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def fp8_dot_general(

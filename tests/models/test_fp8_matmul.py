@@ -104,15 +104,47 @@ class DotGeneralTest(chex.TestCase, parameterized.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_bf16_recipe_is_plain_dot(self):
+        # Forward and input gradient: lax.dot_general's, bit for bit. Weight gradient: its own
+        # GEMM (`transposed_left_operand`), checked against float64 numpy of the same rounded
+        # cotangent: within bf16 rounding, and no worse than autodiff of lax.dot_general.
         x, w = operands(3)
         x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
 
         def loss(dot):
             return lambda a, b: jnp.sum(dot(a, b, LINEAR_DN).astype(jnp.float32) ** 2)
 
-        ours = self.variant(jax.grad(loss(fp8.make_dot_general(fp8.BF16)), argnums=(0, 1)))(x, w)
+        ours_dot = fp8.make_dot_general(fp8.BF16)
+        chex.assert_trees_all_equal(
+            self.variant(ours_dot, static_argnums=2)(x, w, LINEAR_DN),
+            self.variant(jax.lax.dot_general, static_argnums=2)(x, w, LINEAR_DN),
+        )
+        ours = self.variant(jax.grad(loss(ours_dot), argnums=(0, 1)))(x, w)
         plain = self.variant(jax.grad(loss(jax.lax.dot_general), argnums=(0, 1)))(x, w)
-        chex.assert_trees_all_equal(ours, plain)
+        chex.assert_trees_all_equal(ours[0], plain[0])
+        x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+        y = np.asarray(jnp.asarray(x64 @ w64, jnp.bfloat16), np.float64)
+        g = np.asarray(jnp.asarray(2 * y, jnp.bfloat16), np.float64)
+        dw_ref = x64.reshape(-1, x64.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+
+        def err(dw):
+            return np.abs(np.asarray(dw, np.float64) - dw_ref).max() / np.abs(dw_ref).max()
+
+        assert err(ours[1]) < 2**-7, err(ours[1])
+        assert err(ours[1]) <= err(plain[1]), (err(ours[1]), err(plain[1]))
+
+    def test_f32_linear_weight_gradient_against_float64(self):
+        # The f32 weight gradient through the transposed-operand GEMM vs float64 numpy.
+        x, w = operands(5)
+        dot = fp8.make_dot_general(fp8.BF16)
+        g = np.random.default_rng(6).standard_normal((*x.shape[:-1], w.shape[1]))
+        dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(dot(a, b, LINEAR_DN) * g), (0, 1)))(x, w)
+        dw_ref = x.reshape(-1, x.shape[-1]).astype(np.float64).T @ g.reshape(-1, g.shape[-1])
+        np.testing.assert_allclose(
+            np.asarray(dw), dw_ref, rtol=1e-5, atol=1e-5 * np.abs(dw_ref).max()
+        )
+        np.testing.assert_allclose(
+            np.asarray(dx), g @ w.astype(np.float64).T, rtol=1e-5, atol=1e-5 * np.abs(dx).max()
+        )
 
     def test_batched_dimension_numbers(self):
         # [B, H, M, K] x [B, K, N] with a batch axis: each batch element is its own GEMM;
