@@ -36,11 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from models import fp8, invariant
 from models.config import ModelConfig, RematPolicy
 from models.layers import MLP, DotGeneral, Linear, RMSNorm, SparseMoE, normal_init
+from models.moe import RouterLoad
 from models.sharding import constrain_batch
 
 # The layer body's `jax.checkpoint` policy: "full" saves nothing (recomputes the whole layer in
@@ -239,15 +240,18 @@ class DecoderLayer(nnx.Module):
         carry: Any,
         dot_general: DotGeneral,
         routing: Int[Array, "B T k"] | None = None,
-    ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "B T k"] | None]:
-        """(x, carry, the experts each token was routed to: None for a dense MLP)."""
+        load_mask: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "B T k"] | None, RouterLoad | None]:
+        """(x, carry, the experts each token was routed to, the MoE layer's `RouterLoad` over
+        the `load_mask` tokens); the last two None for a dense MLP, the load None without a
+        mask."""
         a, carry = self.self_attn(self.input_layernorm(x), cos, sin, attend, carry, dot_general)
         x = x + a
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, SparseMoE):
-            y, routed = self.mlp(h, dot_general, routing)
-            return x + y, carry, routed
-        return x + self.mlp(h, dot_general), carry, None
+            y, routed, load = self.mlp(h, dot_general, routing, load_mask)
+            return x + y, carry, routed, load
+        return x + self.mlp(h, dot_general), carry, None, None
 
 
 class Embed(nnx.Module):
@@ -325,6 +329,26 @@ class Decoder(nnx.Module):
         must not thread state (decoding passes "none"). `routing` replays given experts in
         the MoE layers instead of the router's choice (routing replay).
         """
+        h, carry, routed, _ = self.hidden_states_and_load(
+            tokens, positions, attend_at, dot_general, carry=carry, remat=remat, routing=routing
+        )
+        return h, carry, routed
+
+    def hidden_states_and_load(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        attend_at: AttendAt,
+        dot_general: DotGeneral,
+        *,
+        carry: Any = None,
+        remat: RematPolicy = "none",
+        routing: Int[Array, "L B T k"] | None = None,
+        load_mask: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "L B T k"] | None, RouterLoad | None]:
+        """`hidden_states` and, in an MoE model given `load_mask`, every layer's router load
+        over the tokens it marks (`models.moe.RouterLoad`, stacked [L, E]: what the
+        load-balancing loss `models.moe.load_balancing_loss` reads); None otherwise."""
         cfg = self.cfg
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat={remat!r}: use one of {sorted(REMAT_POLICIES)}")
@@ -335,42 +359,45 @@ class Decoder(nnx.Module):
         cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, rope_inv_freq(cfg)))
         x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
         layer_def, layer_params = nnx.split(self.model.layers)
+        mask = load_mask if cfg.is_moe else None
 
         def layer(
             params_i: nnx.State, x: Array, carry: Any, i: Any, routing_i: Array | None
-        ) -> tuple[Array, Any, Array | None]:
+        ) -> tuple[Array, Any, Array | None, RouterLoad | None]:
             def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
                 return attend_at(i, q, k, v, c)
 
             # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
             params_i = fp8.dense_weights(params_i)
-            x, carry, routed = nnx.merge(layer_def, params_i)(
-                x, cos, sin, attend, carry, dot_general, routing_i
+            x, carry, routed, load = nnx.merge(layer_def, params_i)(
+                x, cos, sin, attend, carry, dot_general, routing_i, mask
             )
-            return constrain_batch(x), carry, routed
+            return constrain_batch(x), carry, routed, load
 
         if remat != "none":
             # prevent_cse=False: inside a scan CSE cannot undo the recomputation (jax docs).
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
-        def body(state: tuple[Array, Any], xs: tuple[Any, ...]) -> tuple[Any, Array | None]:
+        def body(state: tuple[Array, Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
             params_i, i, routing_i = xs
-            x, carry, routed = layer(params_i, *state, i, routing_i)
-            return (x, carry), routed
+            x, carry, routed, load = layer(params_i, *state, i, routing_i)
+            return (x, carry), (routed, load)
 
         per_layer = per_layer_params(layer_params, cfg.num_layers)
         if per_layer is not None:
-            routed_all = []
+            outs = []
             for i, params_i in enumerate(per_layer):
-                x, carry, routed = layer(
+                x, carry, routed, load = layer(
                     params_i, x, carry, i, None if routing is None else routing[i]
                 )
-                routed_all.append(routed)
+                outs.append((routed, load))
                 # x is materialised between layers, as in the scan: a fusion across two layers
                 # could skip a rounding to the compute dtype (XLA's bf16 excess precision).
                 x = jax.lax.optimization_barrier(x)
-            stacked = jnp.stack(routed_all) if cfg.is_moe else None
-            return self.model.norm(x), carry, stacked
+            routed, load = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (None, None): dense
+            return self.model.norm(x), carry, routed, load
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, carry), routed = jax.lax.scan(body, (x, carry), (layer_params, layer_ids, routing))
-        return self.model.norm(x), carry, routed
+        (x, carry), (routed, load) = jax.lax.scan(
+            body, (x, carry), (layer_params, layer_ids, routing)
+        )
+        return self.model.norm(x), carry, routed, load

@@ -2,7 +2,7 @@
 axis, each token's (token, expert) pairs sent to the devices that hold their experts by an
 all-to-all exchange and their outputs sent back (GShard / DeepSpeed-MoE style).
 
-`models.moe.moe_block` calls `sharded_experts` when it runs under a mesh context
+`models.moe.mix_experts` calls `sharded_experts` when it runs under a mesh context
 (`jax.set_mesh`, as the trainer's step programs do) whose batch axes split the tokens; without
 one (the rollout engine, single-device tests) it computes the experts locally.
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from models import fp8, invariant
 from models import kv_quant as kvq
@@ -32,6 +32,7 @@ from models.attention import causal_self_attention
 from models.config import ModelConfig
 from models.decoder import Decoder
 from models.kv_quant import KVScales
+from models.moe import RouterLoad
 
 Params = nnx.State
 # Default budget for one chunk of f32 logits in `token_logprobs_and_entropy` (B x C x V x 4 B).
@@ -88,6 +89,45 @@ def self_attention(
     return attend
 
 
+def hidden_states_routing_and_load(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    tokens: Int[Array, "B T"],
+    attention_mask: Int[Array, "B T"],
+    *,
+    recipe: fp8.Recipe,
+    kv_cache_dtype: str = "auto",
+    kv_scales: KVScales | None = None,
+    routing: Int[Array, "B T L k"] | None = None,
+    load_mask: Bool[Array, "B T"] | None = None,
+) -> tuple[Float[Array, "B T D"], Int[Array, "B T L k"] | None, RouterLoad | None]:
+    """The final-normed hidden states (compute dtype), in a Mixture-of-Experts model the
+    experts each layer routed each token to, and with `load_mask` every layer's router load
+    over the tokens it marks (`models.moe.RouterLoad` [L, E], for the load-balancing loss);
+    None where a dense model has none. The scanned layers run with `cfg.attention`
+    self-attention and `cfg.remat` rematerialisation; keys and values are read as a
+    `kv_cache_dtype` KV cache holds them (`models.kv_quant`; "auto": unrounded). `routing`
+    (MoE): experts to replay instead of the router's choice, by token, as
+    `models.decoding.KVCache.routing` records them (a token with an entry < 0 keeps its own)."""
+    model: Decoder = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    attend = self_attention(cfg, attention_mask, kv_cache_dtype, kv_scales)
+
+    def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
+        return attend(i, q, k, v), carry
+
+    h, _, routed, load = model.hidden_states_and_load(
+        tokens,
+        positions_from_mask(attention_mask),
+        attend_at,
+        dot_general_for(cfg, recipe),
+        remat=cfg.remat,
+        routing=None if routing is None else jnp.moveaxis(routing, 2, 0),
+        load_mask=load_mask,
+    )
+    return h, None if routed is None else jnp.moveaxis(routed, 0, 2), load
+
+
 def hidden_states_and_routing(
     graphdef: nnx.GraphDef,
     params: Params,
@@ -99,28 +139,11 @@ def hidden_states_and_routing(
     kv_scales: KVScales | None = None,
     routing: Int[Array, "B T L k"] | None = None,
 ) -> tuple[Float[Array, "B T D"], Int[Array, "B T L k"] | None]:
-    """The final-normed hidden states (compute dtype) and, in a Mixture-of-Experts model, the
-    experts each layer routed each token to (None for dense models): the scanned layers with
-    `cfg.attention` self-attention and `cfg.remat` rematerialisation; keys and values are
-    read as a `kv_cache_dtype` KV cache holds them (`models.kv_quant`; "auto": unrounded).
-    `routing` (MoE): experts to replay instead of the router's choice, by token, as
-    `models.decoding.KVCache.routing` records them (a token with an entry < 0 keeps its own)."""
-    model: Decoder = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    attend = self_attention(cfg, attention_mask, kv_cache_dtype, kv_scales)
-
-    def attend_at(i: Array, q: Array, k: Array, v: Array, carry: None) -> tuple[Array, None]:
-        return attend(i, q, k, v), carry
-
-    h, _, routed = model.hidden_states(
-        tokens,
-        positions_from_mask(attention_mask),
-        attend_at,
-        dot_general_for(cfg, recipe),
-        remat=cfg.remat,
-        routing=None if routing is None else jnp.moveaxis(routing, 2, 0),
-    )
-    return h, None if routed is None else jnp.moveaxis(routed, 0, 2)
+    """The hidden states and routed experts of `hidden_states_routing_and_load`."""
+    return hidden_states_routing_and_load(
+        graphdef, params, tokens, attention_mask, recipe=recipe,
+        kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, routing=routing,
+    )[:2]  # fmt: skip
 
 
 def hidden_states(

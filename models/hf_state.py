@@ -59,12 +59,26 @@ _MOE = [(_L + "mlp.gate.weight", ("mlp", "gate", "kernel"), True)] + [
     (_L + f"mlp.experts.{{e}}.{n}_proj.weight", ("mlp", "experts", f"{n}_proj"), True)
     for n in ("gate", "up", "down")
 ]
-# Per-architecture layer tables (HF modeling_qwen2 / modeling_qwen3 / modeling_llama).
-# Qwen2 always has q/k/v biases; Llama and Qwen3 get them only with `attention_bias`.
+# Qwen2-MoE's shared expert (a SwiGLU every token goes through) and its sigmoid gate [1, D].
+_SHARED = [
+    (_L + f"mlp.shared_expert.{n}_proj.weight", ("mlp", "shared_expert", f"{n}_proj", "kernel"),
+     True)
+    for n in ("gate", "up", "down")
+] + [(_L + "mlp.shared_expert_gate.weight", ("mlp", "shared_expert_gate", "kernel"), True)]  # fmt: skip
+# Mixtral's names for the same router and experts: w1 the gate, w3 the up, w2 the down proj.
+_MIXTRAL_MOE = [(_L + "block_sparse_moe.gate.weight", ("mlp", "gate", "kernel"), True)] + [
+    (_L + f"block_sparse_moe.experts.{{e}}.{w}.weight", ("mlp", "experts", f"{n}_proj"), True)
+    for w, n in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+]
+# Per-architecture layer tables (HF modeling_qwen2 / qwen3 / qwen3_moe / qwen2_moe / mixtral /
+# llama). Qwen2 always has q/k/v biases; Qwen2-MoE with `qkv_bias` (default true), Llama and
+# Qwen3 with `attention_bias` (`hf_name_map` adds them).
 LAYER_NAME_MAPS: dict[str, list[tuple[str, tuple[str, ...], bool]]] = {
     "qwen2": _NORMS + _ATTN + _QKV_BIAS + _MLP,
     "qwen3": _NORMS + _ATTN + _QK_NORM + _MLP,
     "qwen3_moe": _NORMS + _ATTN + _QK_NORM + _MOE,
+    "qwen2_moe": _NORMS + _ATTN + _MOE + _SHARED,
+    "mixtral": _NORMS + _ATTN + _MIXTRAL_MOE,
     "llama": _NORMS + _ATTN + _MLP,
 }
 

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from models import invariant
 from models.config import ModelConfig
-from models.moe import moe_block
+from models.moe import RouterLoad, mix_experts, route, router_load, router_logits
 
 DotGeneral = Callable[..., Array]
 
@@ -101,10 +101,11 @@ materialized_cotangent.defvjp(_materialized_fwd, _materialized_bwd)
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); the gate and up projections' cotangents are
-    materialised before their GEMMs (`materialized_cotangent`)."""
+    materialised before their GEMMs (`materialized_cotangent`). `width`: the hidden width
+    (default `cfg.intermediate_size`; a Qwen2-MoE shared expert's is its own)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: int | None = None):
+        d, f = cfg.hidden_size, width or cfg.intermediate_size
         self.gate_proj = Linear(d, f, bias=False, cfg=cfg, rngs=rngs)
         self.up_proj = Linear(d, f, bias=False, cfg=cfg, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, cfg=cfg, rngs=rngs)
@@ -129,12 +130,18 @@ class Experts(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
-    """Qwen3-MoE's sparse MLP (`models.moe.moe_block`): the router `gate` (kernel [D, E], run in
-    f32, never FP8) and the experts, run as the recipe's grouped GEMMs."""
+    """An MoE layer's sparse MLP (`models.moe`): the router `gate` (kernel [D, E], run in f32,
+    never FP8) and the experts, run as the recipe's grouped GEMMs; with
+    `cfg.shared_expert_intermediate_size` (Qwen2-MoE) also a `shared_expert` SwiGLU that every
+    token goes through, its GEMMs the recipe's as a dense MLP's, scaled by
+    sigmoid(x . shared_expert_gate) (kernel [D, 1], f32 like the router) and added."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, cfg=cfg, rngs=rngs)
+        d, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+        self.gate = Linear(d, cfg.num_experts, bias=False, cfg=cfg, rngs=rngs)
         self.experts = Experts(cfg, rngs=rngs)
+        self.shared_expert = MLP(cfg, rngs=rngs, width=shared) if shared else None
+        self.shared_expert_gate = Linear(d, 1, bias=False, cfg=cfg, rngs=rngs) if shared else None
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(
@@ -142,18 +149,29 @@ class SparseMoE(nnx.Module):
         x: Float[Array, "B T D"],
         dot_general: DotGeneral,
         routing: Int[Array, "B T k"] | None = None,
-    ) -> tuple[Float[Array, "B T D"], Int[Array, "B T k"]]:
-        """The block's output and each token's experts (`routing`: experts to replay)."""
+        load_mask: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T D"], Int[Array, "B T k"], RouterLoad | None]:
+        """The block's output, each token's experts as the router picked them (`routing`:
+        experts to replay instead) and, with `load_mask`, the layer's `RouterLoad` over the
+        tokens it marks (for the load-balancing loss; None without)."""
         recipe = getattr(dot_general, "recipe", None)
         if recipe is None:
             raise TypeError(
                 "an MoE layer needs the recipe's GEMMs as a models.fp8.RecipeDot "
                 "(models.functional.dot_general_for), not a bare dot_general"
             )
-        e = self.experts
-        y, experts = moe_block(
-            x, self.gate.kernel[...], e.gate_proj[...], e.up_proj[...], e.down_proj[...],
-            top_k=self.top_k, norm_topk_prob=self.norm_topk_prob, recipe=recipe,
-            routing=None if routing is None else routing.reshape(-1, self.top_k),
+        e, k = self.experts, self.top_k
+        xf = x.reshape(-1, x.shape[-1])
+        weights, experts, own, probs = route(
+            xf, self.gate.kernel[...], k, self.norm_topk_prob,
+            None if routing is None else routing.reshape(-1, k),
         )  # fmt: skip
-        return y, experts.reshape(*x.shape[:-1], self.top_k)
+        y = mix_experts(
+            xf, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...],
+            recipe=recipe,
+        )  # fmt: skip
+        if self.shared_expert is not None:
+            g = jax.nn.sigmoid(router_logits(xf, self.shared_expert_gate.kernel[...]))
+            y = y + g * self.shared_expert(xf, dot_general).astype(jnp.float32)
+        load = None if load_mask is None else router_load(probs, experts, load_mask.reshape(-1))
+        return y.astype(x.dtype).reshape(x.shape), own.reshape(*x.shape[:-1], k), load

@@ -80,6 +80,7 @@ _RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("down_proj", "kernel"): (_MLP, _EMBED),
     ("lm_head",): (_EMBED, _VOCAB),
     ("mlp", "gate", "kernel"): (_EMBED, None),  # the MoE router
+    ("shared_expert_gate", "kernel"): (_EMBED, None),  # Qwen2-MoE's shared expert's gate
     ("experts", "gate_proj"): (_EXPERTS, _EMBED, _MLP),
     ("experts", "up_proj"): (_EXPERTS, _EMBED, _MLP),
     ("experts", "down_proj"): (_EXPERTS, _MLP, _EMBED),

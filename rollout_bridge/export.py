@@ -48,9 +48,12 @@ FP8_BLOCK_SIZE = 128
 # Decoder linears only: the embedding / LM head stay high precision as in DeepSeek-V3 and
 # Qwen3-FP8 checkpoints, and vLLM's Fp8LinearMethod only covers these layers. An MoE layer's
 # experts are FP8 one [out, in] weight per expert (as Qwen3-MoE FP8 checkpoints hold them and
-# vLLM's Fp8MoEMethod loads them); its router (`mlp.gate`) stays high precision.
+# vLLM's Fp8MoEMethod loads them; Mixtral's `block_sparse_moe.experts.{e}.w1/w2/w3`), and so is
+# a shared expert (Qwen2-MoE); its router (`mlp.gate`) and shared expert's gate stay high
+# precision.
 _FP8_LINEAR = re.compile(
-    r"^model\.layers\.\d+\.(self_attn|mlp|mlp\.experts\.\d+)\.\w+_proj\.weight$"
+    r"^model\.layers\.\d+\.((self_attn|mlp|mlp\.experts\.\d+|mlp\.shared_expert)\.\w+_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
 )
 
 

@@ -223,6 +223,9 @@ class AlgorithmConfig:
     kl_coef: float | None = None
     # preset: weight of the entropy bonus.
     entropy_coef: float | None = None
+    # Weight of an MoE policy's load-balancing loss (models.moe.load_balancing_loss, logged as
+    # actor/moe_aux_loss). 0 keeps RL off the router's balance: docs/design.md section 4.
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("algorithm", "name", self.name, ALGORITHMS)
@@ -251,6 +254,7 @@ class AlgorithmConfig:
         except ValueError as e:
             raise ConfigError(f"algorithm.rejection / rejection_threshold: {e}") from e
         check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
+        check_positive("algorithm", "moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
         if self.name == "gspo" and self.clip == "calibrated":
             # GSPO clips sequence-level ratios (bounds ~1 +- 4e-4); Calibrated Clipping matches
             # token-level clip shares, so its bounds would mean nothing there.

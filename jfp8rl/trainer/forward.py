@@ -13,6 +13,7 @@ from jaxtyping import Array, Float, Int
 
 from models import functional as mf
 from models.fp8 import Recipe
+from models.moe import load_balancing_loss
 
 # Batch arrays the update reads per mini-batch (rewards / lengths only feed `prepare`);
 # "routing" only with routing replay (`present`).
@@ -40,6 +41,12 @@ def gather_response(
     return jnp.take_along_axis(x_NxT, idx, axis=1)
 
 
+def balance_mask(batch: dict[str, Array]) -> Array:
+    """The tokens an MoE policy's load-balancing loss counts: the real tokens (attention mask)
+    of the samples with a response token to train on."""
+    return (batch["attention_mask"] != 0) & jnp.any(batch["response_mask"] != 0, 1, keepdims=True)
+
+
 def response_logprobs(
     graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe, temperature: float
 ) -> tuple[Float[Array, "N R"], Float[Array, "N R"]]:
@@ -56,19 +63,30 @@ def response_logprobs_and_routing(
     """`response_logprobs` and an MoE model's own router choices [N, T, L, k] in the same
     forward (with routing replay: what its router picked where the rollout's experts were
     used; None for dense models)."""
-    h, routed = mf.hidden_states_and_routing(
-        graphdef, params, batch["tokens"], batch["attention_mask"], recipe=recipe,
-        routing=batch.get("routing"),
+    return response_forward(graphdef, params, batch, recipe, temperature)[:3]
+
+
+def response_forward(
+    graphdef: Any, params: Any, batch: dict[str, Array], recipe: Recipe, temperature: float
+) -> tuple[Float[Array, "N R"], Float[Array, "N R"], Array | None, Float[Array, ""] | None]:
+    """`response_logprobs_and_routing` and an MoE model's load-balancing loss
+    (`models.moe.load_balancing_loss`) over the real tokens (attention mask) of the samples
+    with a response token to train on, all layers pooled; None for dense models. With routing
+    replay its expert shares count the replayed experts, the ones the forward used."""
+    tokens, mask = batch["tokens"], batch["attention_mask"]
+    h, routed, load = mf.hidden_states_routing_and_load(
+        graphdef, params, tokens, mask, recipe=recipe, routing=batch.get("routing"),
+        load_mask=balance_mask(batch),
     )  # fmt: skip
     lp, ent = mf.head_logprobs_and_entropy(
-        mf.head_of(nnx.merge(graphdef, params)), h, batch["tokens"], batch["attention_mask"],
-        temperature=temperature,
-    )  # fmt: skip
+        mf.head_of(nnx.merge(graphdef, params)), h, tokens, mask, temperature=temperature
+    )
     r = batch["response_mask"].shape[1]
     return (
         gather_response(lp, batch["prompt_lens"], r),
         gather_response(ent, batch["prompt_lens"], r),
         routed,
+        None if load is None else load_balancing_loss(load),
     )
 
 

@@ -74,6 +74,11 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
             f"rollout.routing_replay=record needs a Mixture-of-Experts model; {path} is a dense "
             f"{mcfg.arch} model: set rollout.routing_replay=off"
         )
+    if cfg.algorithm.moe_aux_loss_coef and not mcfg.is_moe:
+        raise ConfigError(
+            f"algorithm.moe_aux_loss_coef={cfg.algorithm.moe_aux_loss_coef} needs a "
+            f"Mixture-of-Experts model; {path} is a dense {mcfg.arch} model: set it to 0"
+        )
     tok = load_tokenizer(path)
     return Policy(mcfg, graphdef, params, tok, stop_token_ids(path, tok), path)
 

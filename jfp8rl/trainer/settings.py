@@ -54,6 +54,7 @@ def step_settings(cfg: Config) -> tuple[StepSettings, OptimSettings]:
         length_buckets=length_buckets(cfg.max_sequence_tokens, cfg.train.length_buckets),
         temperature=cfg.rollout.temperature,
         old_logp_from_rollout=cfg.rollout.on_policy == "exact",
+        moe_aux_loss_coef=a.moe_aux_loss_coef,
     )  # fmt: skip
     o = cfg.optim
     updates_per_step = cfg.train.ppo_epochs * cfg.train.mini_batches

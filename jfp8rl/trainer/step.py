@@ -54,7 +54,9 @@ from jfp8rl.parallel.mesh import Layout
 from jfp8rl.trainer import token_budget
 from jfp8rl.trainer.forward import (
     MODEL_INPUTS,
+    balance_mask,
     present,
+    response_forward,
     response_logprobs,
     response_logprobs_and_routing,
     routing_mismatch_counts,
@@ -246,12 +248,22 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
             ratio_quantiles=ratio_quantiles,
         )  # fmt: skip
 
+    def update_forward(p, m, share=1.0):
+        """(logp, entropy) of the update's forward and an MoE policy's load-balancing loss
+        times `share` (this micro-batch's part of the mini-batch's counted tokens; None for
+        a dense policy): added to the loss with `algorithm.moe_aux_loss_coef` by `balanced`."""
+        logp, ent, _, bal = response_forward(graphdef, p, m, s.train_recipe, s.temperature)
+        return logp, ent, None if bal is None else share * bal
+
+    def balanced(loss, bal):
+        return loss if bal is None or not s.moe_aux_loss_coef else loss + s.moe_aux_loss_coef * bal
+
     def grads_whole(params, calib_state, mb, on_policy, calibrate):
         """One micro-batch: one forward serves the bounds (stop-gradient ratios at the current
         params, i.e. before this update) and the loss."""
 
         def loss_fn(p):
-            logp, ent = response_logprobs(graphdef, p, mb, s.train_recipe, s.temperature)
+            logp, ent, bal = update_forward(p, mb)
             logp16 = None
             if calibrate:
                 logp16 = response_logprobs(
@@ -259,7 +271,9 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
                 )[0]
             cs, lo, hi, caux = bounds(calib_state, logp, logp16, mb, on_policy, calibrate)
             loss, aux = loss_terms(logp, ent, mb, lo, hi)
-            return loss, (
+            if bal is not None:
+                aux["actor/moe_aux_loss"] = bal
+            return balanced(loss, bal), (
                 cs,
                 {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi},
             )
@@ -275,20 +289,22 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
             out["bf16"] = response_logprobs(graphdef, sg, m, s.shadow_recipe, s.temperature)[0]
         return out
 
-    def micro_grads(params, acc, m, lo, hi, den, algo):
-        """acc + grad(num_m / den) of one micro-batch; its (stop-gradient) logprobs, entropy."""
+    def micro_grads(params, acc, m, lo, hi, den, algo, tokens):
+        """acc + grad(num_m / den) of one micro-batch; its (stop-gradient) logprobs, entropy
+        and MoE balancing loss times its share of the mini-batch's `tokens` (or None)."""
         m = constrain(m, dat)
+        share = jnp.sum(balance_mask(m), dtype=jnp.float32) / jnp.maximum(tokens, 1.0)
 
         def loss_fn(p):
-            logp, ent = response_logprobs(graphdef, p, m, s.train_recipe, s.temperature)
+            logp, ent, bal = update_forward(p, m, share)
             loss, _ = loss_terms(logp, ent, m, lo, hi, den, ratio_quantiles=(), algo=algo)
-            return loss, (logp, ent)
+            return balanced(loss, bal), (logp, ent, bal)
 
-        (_, (logp, ent)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, out), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
         acc = jax.tree.map(jnp.add, acc, g)
         # The accumulator lives in the params' sharding (no gathered gradient).
         acc = jax.lax.with_sharding_constraint(acc, param_sh)
-        return acc, (jax.lax.stop_gradient(logp), jax.lax.stop_gradient(ent))
+        return acc, jax.lax.stop_gradient(out)
 
     def whole_metrics(logp, ent, mb, lo, hi, caux):
         """The logged loss and metrics from the whole mini-batch at once (no model call)."""
@@ -305,12 +321,15 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
             calib_state, pre.get("fp8"), pre.get("bf16"), mb, on_policy, calibrate
         )
         den = agg_denominator(mb["response_mask"], s.algo.agg_mode)
+        tokens = jnp.sum(balance_mask(mb), dtype=jnp.float32)
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), param_sh)
-        grads, (logp_k, ent_k) = jax.lax.scan(
-            lambda acc, m: micro_grads(params, acc, m, lo, hi, den, s.algo),
+        grads, (logp_k, ent_k, bal_k) = jax.lax.scan(
+            lambda acc, m: micro_grads(params, acc, m, lo, hi, den, s.algo, tokens),
             zeros,
             split_micro(mb, k),
         )
+        if bal_k is not None:
+            caux = {**caux, "actor/moe_aux_loss": jnp.sum(bal_k)}
         loss, metrics = whole_metrics(merge_micro(logp_k), merge_micro(ent_k), mb, lo, hi, caux)
         return loss, grads, cs, metrics
 

@@ -36,6 +36,8 @@ class StepSettings(NamedTuple):
     temperature: float = 1.0  # rollout.temperature: logprobs are scored at logits / temperature
     # rollout.on_policy=exact: the rollout's log-probs are the old log-probs (no recompute).
     old_logp_from_rollout: bool = False
+    # algorithm.moe_aux_loss_coef: weight of an MoE policy's load-balancing loss in the update.
+    moe_aux_loss_coef: float = 0.0
 
 
 def default_settings(
@@ -57,6 +59,7 @@ def default_settings(
     length_buckets: tuple[int, ...] = (),
     temperature: float = 1.0,
     old_logp_from_rollout: bool = False,
+    moe_aux_loss_coef: float = 0.0,
 ) -> StepSettings:
     """`StepSettings` from config names (recipes by name, BF16 as the shadow); `grad_format`
     (`train.grad_format`) is the train recipe's output-gradient format in the backward GEMMs."""
@@ -78,4 +81,5 @@ def default_settings(
         length_buckets=tuple(length_buckets),
         temperature=temperature,
         old_logp_from_rollout=old_logp_from_rollout,
+        moe_aux_loss_coef=moe_aux_loss_coef,
     )

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jfp8rl.parallel.mesh import Layout, batch_size_divisor, put_batch
+from jfp8rl.trainer.forward import balance_mask
 from jfp8rl.trainer.microbatch import (
     pack_token_budget,
     padding_share,
@@ -77,7 +78,7 @@ class TokenBudgetUpdate:
     """The compiled pieces of a token-budget update and the host loop that runs them."""
 
     pre: Any  # (params, micro, calibrate) -> {"fp8": [rows, r], "bf16"?}
-    micro: Any  # (params, acc, micro, lo, hi, den, resp_len) -> (acc, (logp, ent))
+    micro: Any  # (params, acc, micro, lo, hi, den, tokens, resp_len) -> (acc, (logp, ent, bal))
     bounds: Any  # (calib, logp8, logp16, mb, on_policy, calibrate) -> (calib, lo, hi, aux, den)
     finish: Any  # (state, grads, calib, lo, hi, aux, mb, logp, ent) -> (state, metrics)
     zeros: Any  # params -> zero gradient accumulator
@@ -121,10 +122,13 @@ class TokenBudgetUpdate:
             state["calib"], logp8, logp16, full, jnp.asarray(on_policy), calibrate
         )
         grads, outs = self.zeros(params), []
+        tokens = jnp.sum(balance_mask(host), dtype=jnp.float32)  # an MoE balancing loss's
         for m in micro:
-            grads, out = self.micro(params, grads, m, lo, hi, den, resp_len)
+            grads, out = self.micro(params, grads, m, lo, hi, den, tokens, resp_len)
             outs.append(out)
         logp, ent = gather([o[0] for o in outs]), gather([o[1] for o in outs])
+        if outs and outs[0][2] is not None:  # each micro-batch's share of the MoE loss
+            aux = {**aux, "actor/moe_aux_loss": sum(o[2] for o in outs)}
         return Accumulated(grads, calib, lo, hi, aux, full, logp, ent, len(plan),
                            padding_share(plan, lengths))  # fmt: skip
 
@@ -168,18 +172,18 @@ def build(
         loss, metrics = whole_metrics(logp, ent, mb, lo, hi, caux)
         return apply_grads(state, loss, grads, calib_state, metrics)
 
-    def micro(params, acc, m, lo, hi, den, resp_len):
+    def micro(params, acc, m, lo, hi, den, tokens, resp_len):
         # A micro-batch's response arrays are cut to its bucket; seq-mean-token-sum-norm must
         # still divide by the mini-batch's response length.
         a = dataclasses.replace(algo, loss_scale_len=algo.loss_scale_len or resp_len)
-        return micro_grads(params, acc, m, lo, hi, den, a)
+        return micro_grads(params, acc, m, lo, hi, den, a, tokens)
 
     return TokenBudgetUpdate(
         pre=jax.jit(pre_forwards, static_argnums=2, in_shardings=(param_sh, dat),
                     out_shardings=dat),
-        micro=jax.jit(micro, static_argnums=6, donate_argnums=1,
-                      in_shardings=(param_sh, param_sh, dat, rep, rep, rep),
-                      out_shardings=(param_sh, (dat, dat))),
+        micro=jax.jit(micro, static_argnums=7, donate_argnums=1,
+                      in_shardings=(param_sh, param_sh, dat, rep, rep, rep, rep),
+                      out_shardings=(param_sh, (dat, dat, rep))),
         bounds=jax.jit(bounds_and_den, static_argnums=5, out_shardings=rep),
         finish=jax.jit(finish, donate_argnums=0, out_shardings=(state_sh, rep)),
         zeros=jax.jit(functools.partial(jax.tree.map, jnp.zeros_like), out_shardings=param_sh),

@@ -1,5 +1,5 @@
-"""The decoder's architecture: one frozen dataclass for Qwen2/Qwen2.5, Qwen3, Qwen3-MoE and
-Llama 3.
+"""The decoder's architecture: one frozen dataclass for Qwen2/Qwen2.5, Qwen3, Llama 3 and the
+Mixture-of-Experts Qwen3-MoE, Qwen2-MoE (a shared expert beside the routed ones) and Mixtral.
 
 `ModelConfig` is hashable (it lives in the NNX graphdef, which is a static jit argument), so the
 Llama-3 `rope_scaling` dict is frozen into a tuple of items on construction and handed back as a
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-Arch = Literal["qwen2", "qwen3", "qwen3_moe", "llama"]
+Arch = Literal["qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "llama"]
 RematPolicy = Literal["none", "full", "save_dots"]
 AttentionImpl = Literal["auto", "reference", "chunked", "cudnn"]
 REMAT_CHOICES: tuple[str, ...] = ("none", "full", "save_dots")
@@ -27,8 +27,12 @@ HF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "llama": "LlamaForCausalLM",
 }
+# The Mixture-of-Experts architectures: every decoder layer's MLP is a `models.layers.SparseMoE`.
+MOE_ARCHES = ("qwen3_moe", "qwen2_moe", "mixtral")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -37,7 +41,7 @@ _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp
 class ModelConfig:
     """Architecture hyper-parameters, named as in this code base (HF names in `to_hf_config`)."""
 
-    arch: Arch  # "qwen2" | "qwen3" | "qwen3_moe" | "llama": the HF class and weight name map
+    arch: Arch  # the HF class and weight name map (HF_ARCHITECTURES)
     vocab_size: int  # rows of the embedding and of the LM head
     hidden_size: int  # model width d
     intermediate_size: int  # SwiGLU hidden width (of a dense MLP)
@@ -72,16 +76,20 @@ class ModelConfig:
     # the trainer's bit for bit. Attention runs by position-aligned key chunks (`attention` is
     # then not used) and token GEMMs get at least 64 rows. Set by `rollout.on_policy: exact`.
     batch_invariant: bool = False
-    # Mixture-of-Experts (arch "qwen3_moe", `models.moe`): every decoder layer's MLP is
+    # Mixture-of-Experts (MOE_ARCHES, `models.moe`): every decoder layer's MLP is
     # `num_experts` SwiGLU experts of width `moe_intermediate_size`, `num_experts_per_tok` of
     # them per token, picked by a softmax router (their weights renormalised to sum 1 when
-    # `norm_topk_prob`). `router_aux_loss_coef` is the checkpoint's load-balancing coefficient,
-    # kept for config.json (the RL loss adds no auxiliary loss unless the trainer asks).
+    # `norm_topk_prob`; Mixtral always does). `router_aux_loss_coef` is the checkpoint's
+    # load-balancing coefficient, kept for config.json (the RL loss uses its own,
+    # `algorithm.moe_aux_loss_coef`, default 0). Qwen2-MoE adds a shared SwiGLU expert of width
+    # `shared_expert_intermediate_size` that every token goes through, gated by
+    # sigmoid(x . w_gate).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -136,10 +144,25 @@ class ModelConfig:
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
 
     def _check_moe(self) -> None:
-        if (self.arch == "qwen3_moe") != self.is_moe:
+        if (self.arch in MOE_ARCHES) != self.is_moe:
             raise ValueError(
-                f"ModelConfig: arch={self.arch!r} with num_experts={self.num_experts}: arch "
-                "'qwen3_moe' needs num_experts >= 1, and no other arch has experts"
+                f"ModelConfig: arch={self.arch!r} with num_experts={self.num_experts}: the "
+                f"archs {MOE_ARCHES} need num_experts >= 1, and no other arch has experts"
+            )
+        if (self.arch == "qwen2_moe") != (self.shared_expert_intermediate_size > 0):
+            raise ValueError(
+                f"ModelConfig: arch={self.arch!r} with shared_expert_intermediate_size="
+                f"{self.shared_expert_intermediate_size}: qwen2_moe needs a shared expert "
+                "(width >= 1), and no other arch has one"
+            )
+        if self.arch == "mixtral" and not (
+            self.norm_topk_prob and not self.qkv_bias
+            and self.intermediate_size == self.moe_intermediate_size
+        ):  # fmt: skip
+            raise ValueError(
+                "ModelConfig(arch='mixtral'): Mixtral renormalises the top-k (norm_topk_prob="
+                "True), has no q/k/v bias and one expert width (intermediate_size == "
+                "moe_intermediate_size)"
             )
         if not self.is_moe:
             return
@@ -149,7 +172,7 @@ class ModelConfig:
                 f"1..num_experts={self.num_experts}"
             )
         if self.moe_intermediate_size < 1:
-            raise ValueError("ModelConfig: qwen3_moe needs moe_intermediate_size >= 1")
+            raise ValueError(f"ModelConfig: {self.arch} needs moe_intermediate_size >= 1")
         if self.batch_invariant:
             raise ValueError(
                 "ModelConfig: batch_invariant (rollout.on_policy=exact) is not built for "
@@ -183,6 +206,8 @@ class ModelConfig:
         mlp = 3 * d * f
         if self.is_moe:
             mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
+            if self.shared_expert_intermediate_size:
+                mlp += 3 * d * self.shared_expert_intermediate_size + d
         layer = attn + mlp + 2 * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * layer + d + head
@@ -219,9 +244,11 @@ class ModelConfig:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type == "default":
                 rope_scaling = None
-        moe = _moe_fields(hf) if model_type == "qwen3_moe" else {}
+        moe = _moe_fields(hf, model_type) if model_type in MOE_ARCHES else {}
         if model_type == "qwen2":
             qkv_bias = True
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(hf.get("qkv_bias", True))
         else:
             qkv_bias = bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias", False):
@@ -278,11 +305,19 @@ class ModelConfig:
         }
         if self.arch == "qwen2":
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+        elif self.arch == "qwen2_moe":
+            hf.update(qkv_bias=self.qkv_bias)
         else:
             hf.update(attention_bias=self.qkv_bias)
-        if self.arch in ("qwen3", "qwen3_moe"):
+        if self.arch in ("qwen3", "qwen3_moe", "qwen2_moe"):
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
-        if self.is_moe:
+        if self.arch == "mixtral":
+            hf.update(
+                num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                router_aux_loss_coef=self.router_aux_loss_coef, router_jitter_noise=0.0,
+                sliding_window=None, output_router_logits=False,
+            )  # fmt: skip
+        elif self.is_moe:
             hf.update(
                 num_experts=self.num_experts,
                 num_experts_per_tok=self.num_experts_per_tok,
@@ -293,6 +328,8 @@ class ModelConfig:
                 mlp_only_layers=[],
                 output_router_logits=False,
             )
+        if self.shared_expert_intermediate_size:
+            hf.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         if self.arch == "llama":
             hf.update(mlp_bias=False, pretraining_tp=1)
         if self.bos_token_id is not None:
@@ -302,28 +339,34 @@ class ModelConfig:
         return hf
 
 
-def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE config.json (transformers 5 writes `num_experts` as
-    `num_local_experts`). Every layer must be sparse: a mix of dense and MoE layers
-    (`mlp_only_layers`, `decoder_sparse_step` > 1) would need two layer stacks, not built."""
+def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json (transformers 5 writes
+    `num_experts` as `num_local_experts`, Mixtral's own name; Mixtral's experts have the width
+    `intermediate_size` and always renormalise the top-k). Every layer must be sparse: a mix of
+    dense and MoE layers (`mlp_only_layers`, `decoder_sparse_step` > 1) would need two layer
+    stacks, not built; so must every layer attend to the whole context (no sliding window)."""
+    mixtral = model_type == "mixtral"
     experts = hf.get("num_experts", hf.get("num_local_experts"))
-    missing = [
-        k for k, v in (("num_experts", experts),
-                       *((k, hf.get(k)) for k in ("num_experts_per_tok", "moe_intermediate_size")))
-        if v is None
-    ]  # fmt: skip
+    width = "intermediate_size" if mixtral else "moe_intermediate_size"
+    keys = ("num_experts_per_tok", width)
+    keys += ("shared_expert_intermediate_size",) if model_type == "qwen2_moe" else ()
+    missing = [k for k, v in (("num_experts", experts), *((k, hf.get(k)) for k in keys))
+               if v is None]  # fmt: skip
     if missing:
-        raise ValueError(f"config.json (qwen3_moe): missing keys {missing}")
+        raise ValueError(f"config.json ({model_type}): missing keys {missing}")
     if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
         raise ValueError(
-            f"config.json (qwen3_moe): mlp_only_layers={hf.get('mlp_only_layers')} "
+            f"config.json ({model_type}): mlp_only_layers={hf.get('mlp_only_layers')} "
             f"decoder_sparse_step={hf.get('decoder_sparse_step')}: only models whose every "
             "layer is an MoE layer are supported (mlp_only_layers=[], decoder_sparse_step=1)"
         )
+    if hf.get("use_sliding_window") or (mixtral and hf.get("sliding_window")):
+        raise ValueError(f"config.json ({model_type}): sliding-window attention is not built")
     return dict(
         num_experts=int(experts),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
-        moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_intermediate_size=int(hf[width]),
+        norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
     )

@@ -47,7 +47,8 @@ _TINY_ARITH = dict(
 
 # The tiny_* presets cover every feature: qkv bias + tied head (qwen2), q/k norm with
 # head_dim != hidden/heads (qwen3), llama3 RoPE scaling with an untied head (llama), top-2 of 8
-# experts in every layer (qwen3_moe).
+# experts in every layer (qwen3_moe; qwen2_moe with a shared expert and q/k/v biases, the top-k
+# weights not renormalised; mixtral with Llama attention).
 PRESETS: dict[str, ModelConfig] = {
     "tiny_qwen2": ModelConfig(
         arch="qwen2",
@@ -78,6 +79,34 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=32,
         norm_topk_prob=True,
         router_aux_loss_coef=0.001,
+    ),
+    # Qwen2-MoE: 8 experts of width 32, 2 per token (raw probabilities), a shared expert of 48.
+    "tiny_qwen2_moe": ModelConfig(
+        arch="qwen2_moe",
+        **_TINY,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.001,
+        shared_expert_intermediate_size=48,
+    ),
+    # Mixtral: 8 experts of width 32 (its config.json's intermediate_size), 2 per token.
+    "tiny_mixtral": ModelConfig(
+        arch="mixtral",
+        **{**_TINY, "intermediate_size": 32},
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.02,
     ),
     # The smallest shape a CPU vLLM serves: its CPU attention refuses head_dim 16.
     "tiny_qwen2_vllm": ModelConfig(
@@ -164,6 +193,53 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=768,
         norm_topk_prob=True,
         router_aux_loss_coef=0.001,
+    ),
+    # Qwen1.5-MoE-A2.7B (a Qwen2-MoE): 24 layers of 60 experts, 4 per token, and a shared expert
+    # (14.3B parameters, 2.7B active).
+    "qwen1.5_moe_a2.7b": ModelConfig(
+        arch="qwen2_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        max_position_embeddings=8192,
+        bos_token_id=151643,
+        eos_token_id=151643,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.001,
+        shared_expert_intermediate_size=5632,
+    ),
+    # Mixtral-8x7B: 32 layers of 8 experts, 2 per token (46.7B parameters, 12.9B active).
+    "mixtral_8x7b": ModelConfig(
+        arch="mixtral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        bos_token_id=1,
+        eos_token_id=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=14336,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.02,
     ),
     "qwen3_8b": ModelConfig(
         arch="qwen3",

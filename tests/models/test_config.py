@@ -30,6 +30,8 @@ def test_hf_config_round_trip(name):
         ("qwen2.5_32b", 32.76e9),
         ("llama3.1_8b", 8.03e9),
         ("qwen3_30b_a3b", 30.5e9),
+        ("qwen1.5_moe_a2.7b", 14.3e9),  # a shared expert beside 60 routed ones
+        ("mixtral_8x7b", 46.7e9),
     ],
 )
 def test_real_presets_match_published_sizes(name, published):
@@ -42,6 +44,9 @@ def test_moe_active_parameters_and_config_json_dialects():
     ones is refused, naming the keys."""
     cfg = PRESETS["qwen3_30b_a3b"]
     assert cfg.num_params(active=True) == pytest.approx(3.3e9, rel=0.02)
+    # Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's active counts (their model cards).
+    assert PRESETS["qwen1.5_moe_a2.7b"].num_params(active=True) == pytest.approx(2.7e9, rel=0.02)
+    assert PRESETS["mixtral_8x7b"].num_params(active=True) == pytest.approx(12.9e9, rel=0.02)
     hf = cfg.to_hf_config()
     hf["num_local_experts"] = hf.pop("num_experts")
     assert ModelConfig.from_hf_config(hf) == cfg

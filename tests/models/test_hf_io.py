@@ -42,6 +42,8 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path):
             "qwen3": "Qwen3ForCausalLM",
             "llama": "LlamaForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM",
         }[cfg.arch]
     ]
     assert load_tokenizer(tmp_path).encode("7*6=42").ids == list(b"7*6=42")

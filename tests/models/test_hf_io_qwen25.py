@@ -28,9 +28,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.real_model]
 IM_END, END_OF_TEXT = 151645, 151643
 
 
-def test_folder_logits_equal_transformers(qwen25_dir, qwen25_ref) -> None:
+@pytest.fixture(scope="module")
+def qwen25_model(qwen25_dir):
+    """(cfg, graphdef, params) of the folder through `load_hf` (f32), read once for the
+    module: its 2 GB of weights serve the forward and the engine (which copies them)."""
+    return load_hf(qwen25_dir, compute_dtype=jnp.float32)
+
+
+def test_folder_logits_equal_transformers(qwen25_dir, qwen25_model, qwen25_ref) -> None:
     _, ref = qwen25_ref
-    cfg, graphdef, params = load_hf(qwen25_dir, compute_dtype=jnp.float32)
+    cfg, graphdef, params = qwen25_model
     assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
         "qwen2", 24, 896, 14, 2,
     )  # fmt: skip
@@ -75,10 +82,15 @@ def test_end_of_turn_ids(qwen25_dir, qwen25_ref) -> None:
     assert IM_END in stop_token_ids(qwen25_dir)
 
 
-def test_engine_greedy_answers_equal_transformers_generate(qwen25_dir, qwen25_ref) -> None:
+def test_engine_greedy_answers_equal_transformers_generate(
+    qwen25_dir, qwen25_model, qwen25_ref
+) -> None:
+    """The engine as `EmbeddedBackend.from_hf_dir(qwen25_dir, ...)` builds it (the folder's
+    weights in f32, its end-of-turn ids), from the module's loaded copy."""
     meta, _ = qwen25_ref
-    engine = EmbeddedBackend.from_hf_dir(
-        qwen25_dir, recipe="bf16", config_overrides={"compute_dtype": jnp.float32}, max_len=128
+    cfg, graphdef, params = qwen25_model
+    engine = EmbeddedBackend(
+        cfg, graphdef, params, recipe="bf16", eos_id=stop_token_ids(qwen25_dir), max_len=128
     )
     try:
         out = engine.generate(

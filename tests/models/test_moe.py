@@ -146,3 +146,50 @@ def test_dropless_under_a_skewed_load() -> None:
     np.testing.assert_allclose(
         np.asarray(y, np.float64), want, rtol=2e-3, atol=2e-3 * np.abs(want).max()
     )
+
+
+@pytest.mark.parametrize("recipe", [fp8.BF16, fp8.FP8_TENSOR, fp8.FP8_BLOCK])
+def test_shared_expert_is_a_recipe_mlp_gated_in_f32(recipe) -> None:
+    """Qwen2-MoE's layer (`models.layers.SparseMoE` with a shared expert) = the routed block +
+    sigmoid(x . w_gate) * SwiGLU(x), the shared expert's three GEMMs quantized as a dense
+    MLP's over all the tokens (float64 numpy with `ref_fake_quant`), the gate in float64."""
+    from flax import nnx
+
+    from models import functional as mf
+    from models.config import get_config
+    from models.layers import SparseMoE
+
+    cfg = get_config("tiny_qwen2_moe", compute_dtype=jnp.float32)
+    layer = SparseMoE(cfg, rngs=nnx.Rngs(params=3))
+    x = np.random.default_rng(2).standard_normal((2, 7, cfg.hidden_size)).astype(np.float32)
+    y, _, _ = layer(jnp.asarray(x), mf.dot_general_for(cfg, recipe))
+    routed, _ = moe_block(
+        jnp.asarray(x), layer.gate.kernel[...], layer.experts.gate_proj[...],
+        layer.experts.up_proj[...], layer.experts.down_proj[...], top_k=2,
+        norm_topk_prob=False, recipe=recipe,
+    )  # fmt: skip
+    xf = x.reshape(-1, cfg.hidden_size)
+    s = layer.shared_expert
+
+    def swiglu(quantized: bool) -> np.ndarray:
+        def q(a, role, axis):
+            if not quantized:
+                return np.asarray(a, np.float64)
+            tile = ref_tiles(recipe, role, axis)
+            return ref_fake_quant(np.asarray(a), recipe.fwd_format, tile, recipe.pow2_scales)
+
+        g = q(xf, "act", 1) @ q(s.gate_proj.kernel[...], "weight", 0)
+        u = q(xf, "act", 1) @ q(s.up_proj.kernel[...], "weight", 0)
+        h = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+        return q(h, "act", 1) @ q(s.down_proj.kernel[...], "weight", 0)
+
+    w_gate = np.asarray(layer.shared_expert_gate.kernel[...], np.float64)
+    gate = 1 / (1 + np.exp(-(xf.astype(np.float64) @ w_gate)))
+    base = np.asarray(routed, np.float64).reshape(-1, cfg.hidden_size)
+    want = base + gate * swiglu(recipe.quantized)
+    got = np.asarray(y, np.float64).reshape(-1, cfg.hidden_size)
+    tol = 2e-5 if not recipe.quantized else 2e-3
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+    if recipe.quantized:  # the shared expert runs in FP8: far from its unquantized value
+        assert np.abs(got - (base + gate * swiglu(False))).max() > 10 * tol * scale

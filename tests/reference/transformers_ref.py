@@ -18,6 +18,9 @@ Jobs (`kind`):
   initialises the model, perturbs norms and biases by 0.1 N(0, 1) (HF inits them to 1 / 0, which
   would hide a wrong name map), saves it to `folder` (safetensors); then like `logits` when
   `tokens` is given.
+- `load_balancing`: `gate_logits` [L, B * T, E] f32, `mask` [B, T], `num_experts`, `top_k` ->
+  `loss` of Qwen3-MoE's `load_balancing_loss_func` (the layers' logits as its tuple) and
+  `grad`, its gradient with respect to the logits.
 - `tokenize`: `folder`, `texts` -> `input_ids` (list of lists, `add_special_tokens=True`),
   `decoded` (decode of each), `eos_token_id`, `pad_token_id`.
 - `chat_template`: `folder`, `conversations` (list of message lists), `kwargs` (extra template
@@ -86,6 +89,19 @@ def job_random_init(job: dict) -> tuple[dict, dict]:
     if "tokens" in job:
         arrays["logits"] = _logits(_load_model(job["folder"]), *_inputs(job))
     return {}, arrays
+
+
+def job_load_balancing(job: dict) -> tuple[dict, dict]:
+    """`load_balancing_loss_func` of transformers' Qwen3-MoE on given router logits."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    logits = torch.tensor(np.load(job["gate_logits"], allow_pickle=False), requires_grad=True)
+    mask = torch.tensor(np.load(job["mask"], allow_pickle=False), dtype=torch.long)
+    loss = load_balancing_loss_func(
+        tuple(logits), int(job["num_experts"]), int(job["top_k"]), attention_mask=mask
+    )
+    loss.backward()
+    return {}, {"loss": loss.detach().numpy(), "grad": logits.grad.numpy()}
 
 
 def job_tokenize(job: dict) -> tuple[dict, dict]:
@@ -158,6 +174,7 @@ def job_gguf(job: dict) -> tuple[dict, dict]:
 JOBS = {
     "logits": job_logits,
     "random_init": job_random_init,
+    "load_balancing": job_load_balancing,
     "tokenize": job_tokenize,
     "chat_template": job_chat_template,
     "gguf": job_gguf,

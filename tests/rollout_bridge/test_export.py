@@ -120,3 +120,26 @@ def test_push_format_and_fetch_dtype_per_backend() -> None:
     ]
     for r, fmt, dtype in cases:
         assert (push_format(r), fetch_dtype(push_format(r))) == (fmt, dtype), r
+
+
+def test_fp8_linears_of_every_moe_naming() -> None:
+    """Routed experts (Qwen3-MoE / Qwen2-MoE names and Mixtral's w1/w2/w3) and a shared expert
+    are FP8 linears; routers (`mlp.gate`, `block_sparse_moe.gate`), the shared expert's gate,
+    norms and the embedding are not."""
+    fp8_names = [
+        "model.layers.3.mlp.experts.7.gate_proj.weight",
+        "model.layers.3.mlp.shared_expert.down_proj.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w2.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+    ]
+    high = [
+        "model.layers.3.mlp.gate.weight",
+        "model.layers.3.mlp.shared_expert_gate.weight",
+        "model.layers.0.block_sparse_moe.gate.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w4.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+    ]
+    assert all(is_fp8_linear(n, (8, 8)) for n in fp8_names)
+    assert not any(is_fp8_linear(n, (8, 8)) for n in high)

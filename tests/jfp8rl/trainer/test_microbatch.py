@@ -151,15 +151,15 @@ def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
 def _count_forwards(monkeypatch, fn, *args) -> dict[str, int]:
     """Model forwards traced into `fn`'s program, per recipe name."""
     counts: dict[str, int] = {}
-    real = mf.hidden_states_and_routing
+    real = mf.hidden_states_routing_and_load
 
     def counting(*a, recipe, **kw):
         counts[recipe.name] = counts.get(recipe.name, 0) + 1
         return real(*a, recipe=recipe, **kw)
 
-    monkeypatch.setattr(mf, "hidden_states_and_routing", counting)
+    monkeypatch.setattr(mf, "hidden_states_routing_and_load", counting)
     jax.make_jaxpr(fn)(*args)
-    monkeypatch.setattr(mf, "hidden_states_and_routing", real)
+    monkeypatch.setattr(mf, "hidden_states_routing_and_load", real)
     return counts
 
 
