@@ -9,8 +9,10 @@ real `python -m rollout_bridge.serve` processes on loopback (`rollout.urls`).
 - The embedded engine, sampling ahead on the worker thread: step 1 equals the on-policy run's
   (`max_staleness: 0`) step 1 exactly (every metric but timings, every sample); step 2 is
   sampled with the base policy where the on-policy run samples it with step 1's weights.
-- Resume: a run stopped at its checkpoint 2 and resumed equals the uninterrupted one, every
-  metric (timings aside) and every sample.
+- Resume: the run's folder as a kill during step 3 leaves it (checkpoint 4, the later dumps and
+  the export not written), resumed, equals the uninterrupted run, every metric (timings
+  aside) and every sample. At checkpoint 2 nothing is sampled ahead, so the folder holds all
+  a resume needs; `train.stop_after` with a rollout ahead is the embedded test's.
 - A server killed mid-run, while a batch may be in flight, is dropped as in an on-policy run
   and the run finishes on the survivor, which serves the final version.
 """
@@ -18,6 +20,7 @@ real `python -m rollout_bridge.serve` processes on loopback (`rollout.urls`).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import threading
 import time
@@ -86,9 +89,16 @@ def test_versions_staleness_and_exact_resume(
     # A batch sampled ahead waits for its weights push: the settle time is logged.
     assert all(r["timing/settle_s"] >= 0 for r in recs)
 
-    # Stopped at checkpoint 2, then resumed: the uninterrupted run's records and samples.
+    # Killed after checkpoint 2, then resumed: the uninterrupted run's records and samples.
+    shutil.copytree(full, resumed, ignore=shutil.ignore_patterns("hf_final", "tb"))
+    for leftover in ("checkpoints/4", "rollouts/step_3.jsonl", "rollouts/step_4.jsonl"):
+        path = resumed / leftover
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (resumed / "summary.json").unlink()
+    metrics = resumed / "metrics.jsonl"
+    kept = [x for x in metrics.read_text().splitlines(True) if json.loads(x)["step"] <= 2]
+    metrics.write_text("".join(kept))
     resumed_argv = _argv(resumed, cache_dir, base_policy_dir, urls, "rollout.max_staleness=1")
-    assert main([*resumed_argv, "train.stop_after=2"]) == 0
     assert main(["--resume", *resumed_argv]) == 0
     again = read_metrics(resumed)[1:]
     assert [r["step"] for r in again] == [1, 2, 3, 4]

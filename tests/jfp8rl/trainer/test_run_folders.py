@@ -1,6 +1,11 @@
 """Run folders that say what they do: a complete run is left as it is, a changed config stops a
 resume before anything is loaded (exit 2, every differing key named), `train.steps` extends a
-run exactly as an uninterrupted one, `--fresh` starts over and keeps the previous run."""
+run exactly as an uninterrupted one, `--fresh` starts over and keeps the previous run.
+
+The uninterrupted reference is the session's tiny run (`tiny_full_run`, tests/jfp8rl/conftest.py:
+the same config run for 4 steps): its first two steps and its checkpoint 2 are what a run of 2
+steps from the start gives (nothing in a step depends on `train.steps` or `checkpoint.every`),
+so no second run is trained here."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import numpy as np
 import pytest
 from tiny_run import TINY, small
 
+from jfp8rl.export import main as export_main
 from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.train import main
 from jfp8rl.trainer.checkpoint import checkpoints_dir, steps_on_disk
@@ -29,7 +35,7 @@ def _snapshot(run_dir: Path) -> dict[str, float]:
 
 
 def test_complete_changed_extended_and_fresh(
-    tmp_path: Path, cache_dir: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, cache_dir: Path, tiny_full_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_dir, whole = tmp_path / "run", tmp_path / "whole"
     assert main(_argv(run_dir, cache_dir, "train.steps=1")) == 0
@@ -61,18 +67,19 @@ def test_complete_changed_extended_and_fresh(
     )
     assert _snapshot(run_dir) == before
 
-    # train.steps=2 extends it; it equals a run of 2 steps from the start.
+    # train.steps=2 extends it; it equals a run of 2 steps from the start: the first two steps
+    # of the session's uninterrupted run, and its checkpoint 2 exported as an HF folder.
     assert main(_argv(run_dir, cache_dir, "train.steps=2")) == 0
     assert f"resuming {run_dir} from step 1 of 2\n" in capsys.readouterr().out
-    assert main(_argv(whole, cache_dir, "train.steps=2")) == 0
-    extended, uninterrupted = read_metrics(run_dir), read_metrics(whole)
-    assert [r["step"] for r in extended] == [0, 1, 2]
+    extended, uninterrupted = read_metrics(run_dir), read_metrics(tiny_full_run)[:3]
+    assert [r["step"] for r in extended] == [r["step"] for r in uninterrupted] == [0, 1, 2]
     for a, b in zip(extended, uninterrupted, strict=True):
         for key, value in b.items():
             if not key.startswith(TIMING_PREFIXES):
                 assert a[key] == value, (b["step"], key, a[key], value)
+    assert export_main([str(tiny_full_run), "--step", "2", "--out", str(whole)]) == 0
     pa = read_safetensors(run_dir / "hf_final" / "model.safetensors")
-    pb = read_safetensors(whole / "hf_final" / "model.safetensors")
+    pb = read_safetensors(whole / "model.safetensors")
     assert pa.keys() == pb.keys()
     for name in pb:
         np.testing.assert_array_equal(pa[name], pb[name], err_msg=name)

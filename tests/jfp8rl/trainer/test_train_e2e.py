@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import socket
 from pathlib import Path
 
@@ -150,9 +151,13 @@ def _free_port() -> int:
 def test_server_down_exits_1_and_keeps_checkpoint(
     full_run: Path, cache_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A run folder with checkpoint 2, resumed against a rollout server that is not there.
+    # A run folder with checkpoint 2 (the session's run as a kill during step 3 leaves it:
+    # checkpoint 4 and the final export not there), resumed against a rollout server that is
+    # not there.
     run_dir = tmp_path / "down"
-    run(load_config(TINY, small(run_dir, cache_dir, "train.stop_after=2")))
+    shutil.copytree(full_run, run_dir, ignore=shutil.ignore_patterns("hf_final", "tb"))
+    shutil.rmtree(run_dir / "checkpoints" / "4")
+    (run_dir / "summary.json").unlink()
     url = f"http://127.0.0.1:{_free_port()}"
     argv = ["--config", str(TINY), *small(run_dir, cache_dir, "rollout.backend=http",
             f"rollout.url={url}", "rollout.timeout_s=2")]  # fmt: skip
