@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama 3) as Flax NNX modules.
+"""The decoder-only transformer (Qwen2/Qwen2.5, Qwen3, Llama 3 and the Mixture-of-Experts
+Qwen3-MoE, Qwen2-MoE and Mixtral) as Flax NNX modules.
 
 Module attribute names follow the HF checkpoints, so the name map in `hf_state.py` is a plain
 table. The decoder layers are *stacked*: `model.layers` is one `DecoderLayer` whose params carry

@@ -4,8 +4,9 @@ Tensors in HF layout are [out, in]; our `Linear.kernel` is [in, out] and our unt
 is [D, V], so those are transposed both ways; everything else is copied as is. Layer params are
 stacked on a leading layer axis ([L, ...]) and map to one HF tensor per layer; an MoE layer's
 expert weights are stacked on a second axis ([L, E, ...]) and map to one HF tensor per layer
-and expert (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, as Qwen3-MoE checkpoints and
-vLLM's loader lay them out). Files and
+and expert (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, as Qwen3-MoE and Qwen2-MoE
+checkpoints and vLLM's loader lay them out; Mixtral's are
+`model.layers.{i}.block_sparse_moe.experts.{e}.w1/w3/w2.weight`). Files and
 folders are `models.hf_io`'s concern; this module converts between in-memory state dicts
 ({HF name: numpy array}) and params.
 """

@@ -15,9 +15,11 @@ code base's [in, out] kernel layout:
     lm_head                [D, V]          (fsdp, tensor)          vocab-parallel head
     norms (any)            replicated      (small: D or E floats per layer)
 
-Mixture-of-Experts layers (Qwen3-MoE):
+Mixture-of-Experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral):
 
     mlp.gate.kernel        [L, D, E]       (None, fsdp, None)      the router
+    mlp.shared_expert_gate.kernel [L, D, 1] (None, fsdp, None)     Qwen2-MoE, as the router
+    mlp.shared_expert.*    as the dense MLP's                       Qwen2-MoE's shared expert
     mlp.experts.gate/up_proj [L, E, D, I]  (None, expert, fsdp, tensor)   as the dense MLP's,
     mlp.experts.down_proj  [L, E, I, D]    (None, expert, tensor, fsdp)   experts over `expert`
 

@@ -113,7 +113,8 @@ def token_budget_programs(
         pre = {k: m[k] for k in token_budget.PRE_INPUTS}
         if calibrate:
             out[f"pre L={length}"] = (tb.pre, (state["params"], pre, True), resident)
-        args = (state["params"], grads, m, scalar, scalar, scalar, resp_len)
+        # (params, acc, micro, lo, hi, den, counted tokens of an MoE balancing loss, resp_len)
+        args = (state["params"], grads, m, scalar, scalar, scalar, scalar, resp_len)
         out[f"micro L={length}"] = (tb.micro, args, resident)
     logp = jax.ShapeDtypeStruct(mb["response_mask"].shape, jnp.float32, sharding=dat)
     bounds_args = (state["calib"], logp if calibrate else None, logp if calibrate else None, mb,

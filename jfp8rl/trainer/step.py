@@ -307,8 +307,11 @@ def make_step_fns(graphdef: Any, s: StepSettings, opt: OptimSettings, layout: La
         return acc, jax.lax.stop_gradient(out)
 
     def whole_metrics(logp, ent, mb, lo, hi, caux):
-        """The logged loss and metrics from the whole mini-batch at once (no model call)."""
+        """The logged loss and metrics from the whole mini-batch at once (no model call); the
+        loss includes the MoE balancing term the micro-batches added (`caux`), as
+        `grads_whole`'s does."""
         loss, aux = loss_terms(logp, ent, mb, lo, hi)
+        loss = balanced(loss, caux.get("actor/moe_aux_loss"))
         return loss, {**caux, **loggable_metrics(aux), "calib/lower": lo, "calib/upper": hi}
 
     def grads_accumulated(params, calib_state, mb, on_policy, calibrate, k):

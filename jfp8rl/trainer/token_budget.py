@@ -22,9 +22,11 @@ compiled programs, not one program (as the fixed `train.micro_batch_size` is):
    micro-batches' logprobs, then the optimizer update (skipped when not finite).
 
 So gradients, bounds and metrics equal the whole mini-batch's, exactly as with fixed micro-
-batches (`jfp8rl.trainer.step`); only the summation order differs. The trade against the fixed
-micro-batches: the pre-pass runs even when everything fits one micro-batch, and `prepare` keeps
-`train.micro_batch_size` (forwards only, no gradient).
+batches (`jfp8rl.trainer.step`); only the summation order differs. (An MoE policy's optional
+load-balancing loss is the exception: each micro-batch adds its own, weighted by its share of
+the counted tokens, so it depends on the split, as with fixed micro-batches.) The trade
+against the fixed micro-batches: the pre-pass runs even when everything fits one
+micro-batch, and `prepare` keeps `train.micro_batch_size` (forwards only, no gradient).
 """
 
 from __future__ import annotations

@@ -114,13 +114,18 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention_chunk={self.attention_chunk} must be >= 1")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
-        if self.arch == "qwen2":
-            # HF Qwen2 hard-codes q/k/v biases and derives head_dim; vLLM does the same.
+        if self.arch in ("qwen2", "qwen2_moe"):
+            # HF Qwen2 hard-codes q/k/v biases and derives head_dim; vLLM's Qwen2 and Qwen2-MoE
+            # do the same (HF Qwen2-MoE's `qkv_bias` key aside), so a model vLLM would load
+            # with other shapes or random biases is refused here.
             if not self.qkv_bias:
-                raise ValueError("ModelConfig(arch='qwen2') needs qkv_bias=True (HF Qwen2 has it)")
+                raise ValueError(
+                    f"ModelConfig(arch={self.arch!r}) needs qkv_bias=True (HF Qwen2 and vLLM's "
+                    "Qwen2 / Qwen2-MoE have q/k/v biases)"
+                )
             if self.head_dim * self.num_heads != self.hidden_size:
                 raise ValueError(
-                    f"ModelConfig(arch='qwen2'): head_dim={self.head_dim} must equal "
+                    f"ModelConfig(arch={self.arch!r}): head_dim={self.head_dim} must equal "
                     f"hidden_size/num_heads={self.hidden_size}/{self.num_heads}"
                 )
         self._check_moe()
@@ -366,7 +371,7 @@ def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         num_experts=int(experts),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=int(hf[width]),
-        norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
+        norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),  # HF configs' default
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
     )

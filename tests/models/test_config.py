@@ -56,6 +56,15 @@ def test_moe_active_parameters_and_config_json_dialects():
         get_config("tiny_qwen3_moe", num_experts_per_tok=9)
     with pytest.raises(ValueError, match="batch_invariant"):
         get_config("tiny_qwen3_moe", batch_invariant=True)
+    # A Qwen3-MoE config.json without `norm_topk_prob` routes with raw top-k weights, as
+    # transformers' and vLLM's Qwen3-MoE configs default it.
+    bare = {k: v for k, v in cfg.to_hf_config().items() if k != "norm_topk_prob"}
+    assert ModelConfig.from_hf_config(bare).norm_topk_prob is False
+    # Qwen2-MoE as vLLM builds it: q/k/v biases and head_dim = hidden / heads.
+    with pytest.raises(ValueError, match="arch='qwen2_moe'.*needs qkv_bias=True"):
+        get_config("tiny_qwen2_moe", qkv_bias=False)
+    with pytest.raises(ValueError, match="arch='qwen2_moe'.*head_dim=32 must equal"):
+        get_config("tiny_qwen2_moe", head_dim=32)
 
 
 def test_byte_tokenizer_presets():

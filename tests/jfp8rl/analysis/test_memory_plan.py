@@ -61,6 +61,25 @@ def test_plan_prints_the_final_line_with_consistent_numbers() -> None:
     assert float(peak) >= float(state) and int(secs) >= 0
 
 
+@pytest.mark.slow
+def test_plan_of_token_budget_micro_batches() -> None:
+    """`train.max_tokens_per_micro_batch` plans each length bucket's micro-batch program with
+    the arguments the trainer passes it (the token-budget update's `micro`)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    overrides = [
+        "train.mesh.fsdp=2", "train.mesh.tensor=2", "data.batch_size=16",
+        "train.mini_batches=2", "train.max_tokens_per_micro_batch=64",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "jfp8rl.plan", "--config", str(TINY), "--devices", "4", *overrides],
+        capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert any(line.lstrip().startswith("micro L=") for line in lines), lines
+    assert lines[-1].startswith("plan: tiny_arith mesh data=1 fsdp=2 tensor=2 micro_tokens=64 ")
+
+
 def _leaves(tree):
     import jax
 
