@@ -11,6 +11,9 @@
 # vLLM server beside its transformers reference, and two training steps of its config) need the
 # machine to themselves and run only with JFP8RL_LARGE_MODEL_TESTS=1, e.g.
 #   JFP8RL_LARGE_MODEL_TESTS=1 JFP8RL_TEST_WORKERS=0 scripts/test.sh -m large_model
+# The extended tests (marker extended: the Qwen2-MoE and Mixtral cases of the real-vLLM MoE
+# test, a vLLM server each) run only with JFP8RL_EXTENDED_TESTS=1, e.g.
+#   JFP8RL_EXTENDED_TESTS=1 scripts/test.sh -m extended
 # JFP8RL_SKIP_VLLM=1 skips the vLLM venv and its
 # tests; JFP8RL_SKIP_VERL=1 skips building the verl venv (its test then skips, saying why).
 # Ends with the time taken (install and lint, pytest, total), the ten slowest tests and the
@@ -32,6 +35,7 @@ fi
 MARKS=()
 if [ "${JFP8RL_REAL_MODEL_TESTS:-1}" = "0" ]; then MARKS+=("not real_model"); fi
 if [ "${JFP8RL_LARGE_MODEL_TESTS:-0}" != "1" ]; then MARKS+=("not large_model"); fi
+if [ "${JFP8RL_EXTENDED_TESTS:-0}" != "1" ]; then MARKS+=("not extended"); fi
 MARKS_EXPR=""
 for m in "${MARKS[@]}"; do MARKS_EXPR="${MARKS_EXPR:+$MARKS_EXPR and }$m"; done
 REPORT="$(mktemp -d)"

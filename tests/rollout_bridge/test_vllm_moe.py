@@ -3,7 +3,8 @@ experts of width 32, 2 per token, in both layers), Qwen2-MoE (`tiny_qwen2_moe`: 
 expert) and Mixtral (`tiny_mixtral`) gives the teacher-forced logprobs of our own model, before
 and after block-FP8 weight pushes through the plugin. vLLM's CPU attention needs head_dim >= 32,
 so the Qwen2-MoE and Mixtral presets run with 2 heads of 32 (Qwen2-MoE's head_dim is
-hidden / heads).
+hidden / heads). Each starts a server of its own, so those two are `extended` tests, outside the
+default suite (`JFP8RL_EXTENDED_TESTS=1 scripts/test.sh -m extended`).
 
 vLLM's FP8 layers take only bf16 / fp16 activations (`--dtype float32` with the block-FP8 flags
 is refused at start-up) and its CPU FP8 MoE kernel needs AMX tiles, so this fp32 server runs
@@ -59,7 +60,10 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(
+    scope="module",
+    params=[a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS],
+)
 def moe_served(
     request: pytest.FixtureRequest, vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[MoeServed]:
