@@ -24,19 +24,28 @@ LINE = re.compile(
 )
 
 
-@pytest.mark.slow
-def test_plan_prints_the_final_line_with_consistent_numbers() -> None:
+def _plan_lines(*overrides: str) -> list[str]:
+    """The printed lines of `python -m jfp8rl.plan` on the tiny config over 4 forced devices
+    (fsdp 2 x tensor 2, 16 prompts, 2 mini-batches) with `overrides`; it must exit 0."""
     env = dict(os.environ, PYTHONPATH=str(REPO))  # XLA_FLAGS: the suite's (jfp8rl.plan appends)
-    overrides = [
-        "train.mesh.fsdp=2", "train.mesh.tensor=2", "train.micro_batch_size=32",
-        "data.batch_size=16", "train.mini_batches=2",
-    ]  # fmt: skip
+    base = [
+        "train.mesh.fsdp=2",
+        "train.mesh.tensor=2",
+        "data.batch_size=16",
+        "train.mini_batches=2",
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "jfp8rl.plan", "--config", str(TINY), "--devices", "4", *overrides],
+        [sys.executable, "-m", "jfp8rl.plan", "--config", str(TINY), "--devices", "4", *base,
+         *overrides],
         capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    return proc.stdout.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_plan_prints_the_final_line_with_consistent_numbers() -> None:
+    lines = _plan_lines("train.micro_batch_size=32")
     assert sum(line.startswith("plan: ") for line in lines) == 1
     m = LINE.match(lines[-1])
     assert m, lines[-1]
@@ -65,17 +74,7 @@ def test_plan_prints_the_final_line_with_consistent_numbers() -> None:
 def test_plan_of_token_budget_micro_batches() -> None:
     """`train.max_tokens_per_micro_batch` plans each length bucket's micro-batch program with
     the arguments the trainer passes it (the token-budget update's `micro`)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    overrides = [
-        "train.mesh.fsdp=2", "train.mesh.tensor=2", "data.batch_size=16",
-        "train.mini_batches=2", "train.max_tokens_per_micro_batch=64",
-    ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "jfp8rl.plan", "--config", str(TINY), "--devices", "4", *overrides],
-        capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    lines = _plan_lines("train.max_tokens_per_micro_batch=64")
     assert any(line.lstrip().startswith("micro L=") for line in lines), lines
     assert lines[-1].startswith("plan: tiny_arith mesh data=1 fsdp=2 tensor=2 micro_tokens=64 ")
 
