@@ -75,11 +75,16 @@ def run(recipe, p, norm: bool, routing=None):
     )  # fmt: skip
 
 
+# Jitted (recipe and norm static): one compile per program, shared by the tests that run it
+# (the layer-by-layer eager run of the block costs more than its compile).
+run_jit = jax.jit(run, static_argnums=(0, 2))
+
+
 @pytest.mark.parametrize("norm", [True, False], ids=["norm_topk", "raw_topk"])
 @pytest.mark.parametrize("recipe", [fp8.BF16, fp8.FP8_TENSOR, fp8.FP8_ROW, fp8.FP8_BLOCK])
 def test_block_equals_the_float64_reference(recipe, norm: bool) -> None:
     p = params()
-    y, experts = jax.jit(lambda *a: run(recipe, a, norm))(*p)
+    y, experts = run_jit(recipe, p, norm)
     want, want_experts = reference(recipe, *p, norm)
     np.testing.assert_array_equal(np.asarray(experts), want_experts)
     # f32 sums against float64 (measured: <= 6e-7 of max |y| for every recipe, while FP8 moves
@@ -93,13 +98,13 @@ def test_block_equals_the_float64_reference(recipe, norm: bool) -> None:
 
 def test_routing_replay_uses_the_given_experts_and_reaches_the_router() -> None:
     p = params(1)
-    _, own = run(fp8.BF16, p, True)
-    y_own, _ = run(fp8.BF16, p, True)
-    y_replay, _ = run(fp8.BF16, p, True, routing=np.asarray(own))
+    _, own = run_jit(fp8.BF16, p, True)
+    y_own, _ = run_jit(fp8.BF16, p, True)
+    y_replay, _ = run_jit(fp8.BF16, p, True, routing=np.asarray(own))
     np.testing.assert_array_equal(np.asarray(y_replay), np.asarray(y_own))
     # Other experts (the same two for every token): the reference with that routing.
     other = np.tile(np.arange(E - K, E), (N, 1))
-    y_other, picked = run(fp8.BF16, p, True, routing=other)
+    y_other, picked = run_jit(fp8.BF16, p, True, routing=other)
     np.testing.assert_array_equal(np.asarray(picked), np.asarray(own))  # the router's own pick
     want, _ = reference(fp8.BF16, *p, True, routing=other)
     np.testing.assert_allclose(
@@ -109,7 +114,7 @@ def test_routing_replay_uses_the_given_experts_and_reaches_the_router() -> None:
     # experts; the others take the replayed ones.
     partial = other.copy()
     partial[::3, 0] = -1
-    y_partial, _ = run(fp8.BF16, p, True, routing=partial)
+    y_partial, _ = run_jit(fp8.BF16, p, True, routing=partial)
     mixed = np.where((partial >= 0).all(-1, keepdims=True), other, np.asarray(own))
     want, _ = reference(fp8.BF16, *p, True, routing=mixed)
     np.testing.assert_allclose(
@@ -126,7 +131,7 @@ def test_routing_replay_uses_the_given_experts_and_reaches_the_router() -> None:
                          routing=jnp.asarray(other))  # fmt: skip
         return jnp.sum(y * c)
 
-    grad = np.asarray(jax.grad(loss)(jnp.asarray(p[1])), np.float64)
+    grad = np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(p[1])), np.float64)
     assert np.abs(grad).max() > 0
     for i, j in [(0, E - 1), (7, E - 2), (100, 0), (159, 3)]:
         step = np.zeros(p[1].shape)
@@ -140,7 +145,7 @@ def test_routing_replay_uses_the_given_experts_and_reaches_the_router() -> None:
 def test_dropless_under_a_skewed_load() -> None:
     """A router that sends every token to expert 0 (plus one other): no token loses it."""
     p = params(2, skew=50.0)
-    y, experts = run(fp8.FP8_BLOCK, p, True)
+    y, experts = run_jit(fp8.FP8_BLOCK, p, True)  # the reference test's program
     assert np.all(np.asarray(experts)[:, 0] == 0)
     want, _ = reference(fp8.FP8_BLOCK, *p, True)
     np.testing.assert_allclose(
@@ -162,12 +167,20 @@ def test_shared_expert_is_a_recipe_mlp_gated_in_f32(recipe) -> None:
     cfg = get_config("tiny_qwen2_moe", compute_dtype=jnp.float32)
     layer = SparseMoE(cfg, rngs=nnx.Rngs(params=3))
     x = np.random.default_rng(2).standard_normal((2, 7, cfg.hidden_size)).astype(np.float32)
-    y, _, _ = layer(jnp.asarray(x), mf.dot_general_for(cfg, recipe))
-    routed, _ = moe_block(
-        jnp.asarray(x), layer.gate.kernel[...], layer.experts.gate_proj[...],
-        layer.experts.up_proj[...], layer.experts.down_proj[...], top_k=2,
-        norm_topk_prob=False, recipe=recipe,
-    )  # fmt: skip
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def layer_and_block(state, x):  # one program for both
+        layer = nnx.merge(graphdef, state)
+        y, _, _ = layer(x, mf.dot_general_for(cfg, recipe))
+        routed, _ = moe_block(
+            x, layer.gate.kernel[...], layer.experts.gate_proj[...],
+            layer.experts.up_proj[...], layer.experts.down_proj[...], top_k=2,
+            norm_topk_prob=False, recipe=recipe,
+        )  # fmt: skip
+        return y, routed
+
+    y, routed = layer_and_block(state, jnp.asarray(x))
     xf = x.reshape(-1, cfg.hidden_size)
     s = layer.shared_expert
 

@@ -61,6 +61,11 @@ def ours(logits, mask, top_k: int, routing=None):
     return load_balancing_loss(jax.tree.map(lambda *a: jnp.stack(a), *loads))
 
 
+# Jitted (top_k static): the loss and its gradient with respect to the logits.
+ours_jit = jax.jit(ours, static_argnums=2)
+value_and_grad = jax.jit(jax.value_and_grad(ours), static_argnums=2)
+
+
 def random_case(seed: int, layers=2, b=2, t=9, e=6):
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((layers, b * t, e)).astype(np.float32)
@@ -72,7 +77,7 @@ def random_case(seed: int, layers=2, b=2, t=9, e=6):
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_equals_float64_formula(top_k):
     logits, mask = random_case(top_k)
-    got = float(jax.jit(ours, static_argnums=2)(logits, mask, top_k))
+    got = float(ours_jit(logits, mask, top_k))
     assert abs(got - reference64(logits, mask, top_k)) < 1e-6
 
 
@@ -88,7 +93,7 @@ def test_balanced_router_gives_top_k_and_no_tokens_give_zero():
 def test_value_and_gradient_equal_transformers_golden():
     gold = np.load(GOLDEN)
     logits, mask, k = gold["gate_logits"], gold["mask"], int(gold["top_k"])
-    loss, grad = jax.value_and_grad(ours)(jnp.asarray(logits), mask, k)
+    loss, grad = value_and_grad(jnp.asarray(logits), mask, k)
     assert abs(float(loss) - float(gold["loss"])) < 1e-6 * float(gold["loss"])
     assert abs(float(loss) - reference64(logits, mask, k)) < 1e-6
     # The gradient flows through the probabilities only, as in transformers (its top-k
@@ -104,7 +109,7 @@ def test_value_and_gradient_equal_transformers_live(transformers_ref):
     _, out = transformers_ref(
         "load_balancing", arrays={"gate_logits": logits, "mask": mask}, num_experts=16, top_k=4
     )
-    loss, grad = jax.value_and_grad(ours)(jnp.asarray(logits), mask, 4)
+    loss, grad = value_and_grad(jnp.asarray(logits), mask, 4)
     assert abs(float(loss) - float(out["loss"])) < 1e-6 * float(out["loss"])
     assert np.abs(np.asarray(grad) - out["grad"]).max() < 1e-5 * np.abs(out["grad"]).max()
 
@@ -116,7 +121,7 @@ def test_replayed_experts_are_the_ones_counted():
     replay[0, 3] = -1  # an unknown record: the router's own choice stands
     own = np.argsort(-logits, axis=-1, kind="stable")[..., :2]
     counted = np.where(np.all(replay >= 0, axis=-1, keepdims=True), replay, own)
-    got = float(ours(logits, mask, 2, replay))
+    got = float(ours_jit(logits, mask, 2, replay))
     assert abs(got - reference64(logits, mask, 2, counted)) < 1e-6
     assert abs(got - reference64(logits, mask, 2)) > 1e-3  # the replay changed the shares
 
@@ -124,30 +129,38 @@ def test_replayed_experts_are_the_ones_counted():
 def test_decoder_loads_equal_the_formula_on_each_layers_router_logits():
     cfg, graphdef, params = tiny("tiny_qwen3_moe")
     tokens, mask = left_padded_batch(cfg.vocab_size, 8, (0, 3))
-    model = nnx.merge(graphdef, params)
-    attend = F.self_attention(cfg, mask)
-    dot = F.dot_general_for(cfg, fp8.BF16)
-    positions = F.positions_from_mask(mask)
-    _, _, _, load = model.hidden_states_and_load(
-        tokens, positions, lambda i, q, k, v, c: (attend(i, q, k, v), c), dot,
-        load_mask=mask != 0,
-    )  # fmt: skip
-    # Each layer's router logits from a layer-by-layer run of the same modules.
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
-    x = model.model.embed_tokens(tokens).astype(cfg.compute_dtype)
-    layer_def, layer_params = nnx.split(model.model.layers)
-    logits = []
-    for i in range(cfg.num_layers):
-        layer = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_params))
 
-        def attend_i(q, k, v, c, i=i):
-            return attend(i, q, k, v), c
+    @jax.jit  # one program: the decoder's loads and a layer-by-layer run of the same modules
+    def loads_and_router_inputs(params):
+        model = nnx.merge(graphdef, params)
+        attend = F.self_attention(cfg, mask)
+        dot = F.dot_general_for(cfg, fp8.BF16)
+        positions = F.positions_from_mask(mask)
+        _, _, _, load = model.hidden_states_and_load(
+            tokens, positions, lambda i, q, k, v, c: (attend(i, q, k, v), c), dot,
+            load_mask=mask != 0,
+        )  # fmt: skip
+        # Each layer's router input and router weight, layer by layer.
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        x = model.model.embed_tokens(tokens).astype(cfg.compute_dtype)
+        layer_def, layer_params = nnx.split(model.model.layers)
+        hs, gates = [], []
+        for i in range(cfg.num_layers):
+            layer = nnx.merge(layer_def, jax.tree.map(lambda a, i=i: a[i], layer_params))
 
-        a, _ = layer.self_attn(layer.input_layernorm(x), cos, sin, attend_i, None, dot)
-        h = np.asarray(layer.post_attention_layernorm(x + a), np.float64).reshape(-1, x.shape[-1])
-        logits.append(h @ np.asarray(layer.mlp.gate.kernel[...], np.float64))
-        x = layer(x, cos, sin, attend_i, None, dot)[0]
-    ref = reference64(np.stack(logits), np.asarray(mask), cfg.num_experts_per_tok)
+            def attend_i(q, k, v, c, i=i):
+                return attend(i, q, k, v), c
+
+            a, _ = layer.self_attn(layer.input_layernorm(x), cos, sin, attend_i, None, dot)
+            hs.append(layer.post_attention_layernorm(x + a).reshape(-1, x.shape[-1]))
+            gates.append(layer.mlp.gate.kernel[...])
+            x = layer(x, cos, sin, attend_i, None, dot)[0]
+        return load, jnp.stack(hs), jnp.stack(gates)
+
+    load, hs, gates = loads_and_router_inputs(params)
+    # Each layer's router logits in float64.
+    logits = np.asarray(hs, np.float64) @ np.asarray(gates, np.float64)
+    ref = reference64(logits, np.asarray(mask), cfg.num_experts_per_tok)
     assert load.probs.shape == (cfg.num_layers, cfg.num_experts)
     np.testing.assert_array_equal(np.asarray(load.tokens), np.full(cfg.num_layers, 13.0))
     assert abs(float(load_balancing_loss(load)) - ref) < 1e-5

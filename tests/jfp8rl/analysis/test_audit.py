@@ -36,7 +36,9 @@ def audit(base_policy_dir: Path, cache_dir: Path, tmp_path_factory: pytest.TempP
     from jfp8rl.analysis.audit import run_audit
 
     out = tmp_path_factory.mktemp("audit")
-    sets = small(out / "unused", cache_dir, "data.batch_size=8", "train.mini_batches=4")
+    # `small()`'s shapes (16 samples, 2 mini-batches of 8): the rollout and prepare programs
+    # of the session's tiny run (`tiny_full_run`), and the audit from its checkpoint below.
+    sets = small(out / "unused", cache_dir)
     rows = run_audit(str(TINY), sets, out, RECIPES, log=lambda m: None)
     return out, rows
 
@@ -197,35 +199,25 @@ def float_norm(tree) -> float:
                              if np.issubdtype(x.dtype, np.floating))))  # fmt: skip
 
 
-def test_audit_from_checkpoint_starts_at_its_state(
-    base_policy_dir: Path, cache_dir: Path, tmp_path: Path
-) -> None:
+def test_audit_from_checkpoint_starts_at_its_state(tiny_full_run: Path, tmp_path: Path) -> None:
+    """The session's tiny run (`small()`, 4 steps) audited from its latest checkpoint (step 4)
+    with E5M2 gradients: the rows start from that checkpoint's params and Adam moments."""
     import orbax.checkpoint as ocp
 
     from jfp8rl.analysis.audit import run_audit
-    from jfp8rl.config import load_config
-    from jfp8rl.trainer.loop import run
 
-    run_dir = tmp_path / "run"
-    # The shapes and settings of the module's audit fixture (its fp8_block/e5m2 programs are
-    # compiled already), and a real run with E5M2 gradients.
-    sets = small(run_dir, cache_dir, "data.batch_size=8", "train.mini_batches=4",
-                 "train.steps=1", "checkpoint.every=1", "train.eval_every=0", "data.eval_size=4", "optim.warmup_steps=0",
-                 "train.grad_format=e5m2", "checkpoint.export_hf=false",
-                 "logging.tensorboard=false")  # fmt: skip
-    run(load_config(TINY, sets))
-    state = ocp.StandardCheckpointer().restore(run_dir / "checkpoints" / "1" / "state")
+    state = ocp.StandardCheckpointer().restore(tiny_full_run / "checkpoints" / "4" / "state")
     ref_params, ref_opt = float_norm(state["params"]), float_norm(state["opt_state"])
-    assert ref_opt > 0.0  # Adam moments after a step
+    assert ref_opt > 0.0  # Adam moments after 4 steps
 
     out = tmp_path / "audit"
-    rows = run_audit(str(run_dir / "config.yaml"), [], out, (("fp8_block", "e5m2"),),
-                     log=lambda m: None, checkpoint=run_dir, updates=(0, 1))  # fmt: skip
+    rows = run_audit(str(tiny_full_run / "config.yaml"), [], out, (("fp8_block", "e5m2"),),
+                     log=lambda m: None, checkpoint=tiny_full_run, updates=(0, 1))  # fmt: skip
     by = {r["updates"]: r for r in rows}
-    assert by[0]["start_step"] == 1
+    assert by[0]["start_step"] == 4  # the run folder's latest checkpoint
     assert by[0]["param_norm"] == ref_params  # exact: the checkpoint's params
     assert by[0]["opt_state_norm"] == ref_opt  # and its Adam moments, not fresh zeros
     # One update moves them (the restored Adam moments move params even where the batch's
     # groups are all masked out, as at this 16-sample size they may be).
     assert by[1]["param_norm"] != ref_params
-    assert "from " + str(run_dir / "checkpoints" / "1") in (out / "audit.md").read_text()
+    assert "from " + str(tiny_full_run / "checkpoints" / "4") in (out / "audit.md").read_text()

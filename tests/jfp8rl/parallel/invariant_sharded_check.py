@@ -1,6 +1,7 @@
 """Run by test_invariant_sharded.py in a subprocess with 4 forced host devices: the exact
 (batch-invariant) policy's token log-probs on a data x fsdp mesh, against the same on one
-device and against the embedded engine's sampled log-probs. Prints one JSON line."""
+device and against the embedded engine's sampled log-probs. Prints one JSON line: one entry
+per recipe named on the command line."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ ti = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ti)
 
 
-def main(recipe_name: str) -> None:
+def check(recipe_name: str) -> dict:
     cfg, gd, params = ti.policy(True)
     rec = get_recipe(recipe_name)
     prompts = ti.random_prompts(8, 9, cfg.vocab_size, seed=21)
@@ -40,18 +41,14 @@ def main(recipe_name: str) -> None:
     with jax.set_mesh(mesh):
         lp = fn(gd, sharded, batch["tokens"], batch["attention_mask"], recipe=rec, temperature=1.0)
     mesh_lp = np.asarray(lp)[:, p_max : p_max + new]
-    print(
-        json.dumps(
-            {
-                "devices": len(jax.devices()),
-                "engine_vs_one_device": float(np.mean(lps == one)),
-                "mesh_vs_one_device": float(np.mean(mesh_lp == one)),
-                "max_abs_mesh": float(np.max(np.abs(mesh_lp - one))),
-            }
-        )
-    )
+    return {
+        "devices": len(jax.devices()),
+        "engine_vs_one_device": float(np.mean(lps == one)),
+        "mesh_vs_one_device": float(np.mean(mesh_lp == one)),
+        "max_abs_mesh": float(np.max(np.abs(mesh_lp - one))),
+    }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    print(json.dumps({name: check(name) for name in sys.argv[1:]}))
     jnp.zeros(())  # keep the backend alive until the print is flushed

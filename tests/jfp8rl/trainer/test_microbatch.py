@@ -128,16 +128,30 @@ def test_micro_batched_grads_equal_whole_mini_batch(model, agg: str) -> None:
         _assert_close(a, b)
 
 
-def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
+@pytest.fixture(scope="module")
+def calibrated_whole(model):
+    """(mini-batch, {calibrate: (calib state in, whole mini-batch's (loss, grads, calib state,
+    metrics))}) under calibrated bounds, "token-mean": a calibrating and then a tracking
+    mini-batch, the second from the first's calib state. Computed once for the calibrated
+    micro-batch and token-budget tests."""
+    graphdef, params = model
+    whole = _fns(graphdef, params, "token-mean", 0, calibrated=True)
+    mb = _mini_batch(whole, params)
+    calib, out = init_calib_state(CALIB), {}
+    for calibrate in (True, False):
+        out[calibrate] = (calib, _grads(whole, params, calib, mb, calibrate))
+        calib = out[calibrate][1][2]
+    return mb, out
+
+
+def test_micro_batched_calibrated_bounds_equal_whole(model, calibrated_whole) -> None:
     # Bounds solved once per mini-batch from all micro-batches' ratios: the same bounds (and
     # grads) as the whole mini-batch, on a calibrating and then a tracking mini-batch.
     graphdef, params = model
-    agg = "token-mean"
-    whole, micro = (_fns(graphdef, params, agg, m, calibrated=True) for m in (0, 4))
-    mb = _mini_batch(whole, params)
-    calib = init_calib_state(CALIB)
+    micro = _fns(graphdef, params, "token-mean", 4, calibrated=True)
+    mb, whole = calibrated_whole
     for calibrate in (True, False):
-        loss_w, g_w, cs_w, met_w = _grads(whole, params, calib, mb, calibrate)
+        calib, (loss_w, g_w, cs_w, met_w) = whole[calibrate]
         loss_m, g_m, cs_m, met_m = _grads(micro, params, calib, mb, calibrate)
         assert float(cs_w.n_calibrations) == 1
         for f in dataclasses.fields(cs_w):
@@ -145,7 +159,6 @@ def test_micro_batched_calibrated_bounds_equal_whole(model) -> None:
         _assert_close(loss_m, loss_w)
         for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g_w), strict=True):
             _assert_close(a, b)
-        calib = cs_w
 
 
 def _count_forwards(monkeypatch, fn, *args) -> dict[str, int]:
@@ -174,7 +187,9 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     # prepare: the FP8 old logprobs and the KL reference; the BF16 old logprobs only when calibrating.
     assert prep[False] == {"fp8_block": 2}
     assert prep[True] == {"fp8_block": 2, "bf16": 1}
-    mb_np = _mini_batch(fns, params)
+    # The update's inputs as `prepare` gives them: shapes only (traced, never compiled).
+    out = jax.eval_shape(fns.prepare_programs[True], params, params, b)[0]
+    mb_np = present(random_batch(N, P, R, seed=5), MODEL_INPUTS + ("rollout_logp",)) | out
     state = {
         "params": params,
         "opt_state": fns.optimizer.init(params),
@@ -187,7 +202,7 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
             monkeypatch,
             fns.update_programs[c],
             state,
-            put_batch(mb, make_mesh()),
+            mb,
             jnp.asarray(False),
         )
     # update (2 micro-batches, calibrated bounds): the no-gradient FP8 pre-pass for the bounds
@@ -204,18 +219,15 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     )
 
 
-def test_token_budget_calibrated_update_equals_whole(model) -> None:
+def test_token_budget_calibrated_update_equals_whole(model, calibrated_whole) -> None:
     # The no-gradient pre-pass over the token-budget micro-batches: the calibrated bounds (on a
     # calibrating and then a tracking mini-batch), grads and every logged metric of the update
     # equal the whole mini-batch's.
     graphdef, params = model
-    whole, budget = (_fns(graphdef, params, "token-mean", 0, calibrated=True, budget=b)
-                     for b in (0, BUDGET))  # fmt: skip
-    mb = _mini_batch(whole, params)
-    calib = init_calib_state(CALIB)
-    met_w = {}
+    budget = _fns(graphdef, params, "token-mean", 0, calibrated=True, budget=BUDGET)
+    mb, whole = calibrated_whole
     for calibrate in (True, False):
-        _, g_w, cs_w, met_w[calibrate] = _grads(whole, params, calib, mb, calibrate)
+        calib, (_, g_w, cs_w, _) = whole[calibrate]
         state = _state(budget, params) | {"calib": calib}
         acc = budget.token_budget.accumulate(state, mb, calibrate, False)
         assert float(cs_w.n_calibrations) == 1
@@ -223,13 +235,13 @@ def test_token_budget_calibrated_update_equals_whole(model) -> None:
             _assert_close(getattr(acc.calib, f.name), getattr(cs_w, f.name))
         for a, b in zip(jax.tree.leaves(acc.grads), jax.tree.leaves(g_w), strict=True):
             _assert_close(a, b)
-        calib = cs_w
     # The update itself (calibrating): the metrics recomputed on the whole mini-batch.
+    met_w = whole[True][1][3]
     copy = jax.tree.map(jnp.copy, params)
     _, met_b = budget.update(_state(budget, copy), mb, True)
-    assert float(met_w[True]["actor/pg_clipfrac"]) > 0  # the clipped branch is exercised
-    for k in met_w[True]:
-        _assert_close(met_b[k], met_w[True][k])
+    assert float(met_w["actor/pg_clipfrac"]) > 0  # the clipped branch is exercised
+    for k in met_w:
+        _assert_close(met_b[k], met_w[k])
     assert 0 < met_b["perf/padding_share"] < 0.5
 
 

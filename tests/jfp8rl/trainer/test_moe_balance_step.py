@@ -54,11 +54,12 @@ def fns_for(coef: float, micro: int = 0, name: str = "tiny_qwen3_moe"):
 
 
 @functools.cache
-def mini_batch(name: str = "tiny_qwen3_moe"):
-    """A prepared mini-batch of 8 samples; sample 5 has no response token left to train on."""
-    graphdef, params = model(name)
+def mini_batch():
+    """A mini-batch of 8 samples prepared by the MoE policy; sample 5 has no response token
+    left to train on."""
+    graphdef, params = model()
     batch = random_batch(8, 5, 4, seed=3)
-    fns = fns_for(0.0, name=name)
+    fns = fns_for(0.0)
     out, _ = fns.prepare(params, None, put_batch(batch, make_mesh()), calibrate=False)
     mb = {k: batch[k] for k in ("tokens", "attention_mask", "prompt_lens", "response_mask",
                                 "rollout_logp")}  # fmt: skip
@@ -68,7 +69,11 @@ def mini_batch(name: str = "tiny_qwen3_moe"):
     return mb
 
 
-def loss_and_grads(fns, mb):
+@functools.cache
+def loss_and_grads(coef: float, micro: int):
+    """(loss, grads, metrics) of the update's gradient program on `mini_batch()`; computed
+    once per (coef, micro) for the whole module (the baseline without the loss is shared)."""
+    fns, mb = fns_for(coef, micro), mini_batch()
     _, params = model()
     if fns.token_budget is not None:
         state = {"params": params, "opt_state": None, "calib": init_calib_state(CALIB)}
@@ -81,20 +86,37 @@ def loss_and_grads(fns, mb):
     return loss, grads, metrics
 
 
-def balancing(params, rows):
-    """The balancing loss of the model's router loads over the real tokens of the samples
-    `rows` that have a response token."""
+PARTS = 8  # room for every split of the mini-batch's 8 samples (one compiled reference)
+
+
+@functools.cache
+def balancing():
+    """Jitted (params, counted [PARTS, N, T]) -> ((weighted, losses [PARTS]), d weighted / d
+    params): the balancing loss of the model's router loads over the tokens each mask
+    `counted[j]` marks (`Decoder.hidden_states_and_load` on the whole mini-batch's rows, its
+    `load_mask` one part at a time), and their sum weighted by each part's share of the marked
+    tokens (an empty part: loss 0, weight 0)."""
     graphdef, _ = model()
     mb = mini_batch()
-    tokens, mask = (jnp.asarray(mb[k][rows]) for k in ("tokens", "attention_mask"))
-    counted = (mb["attention_mask"][rows] != 0) & mb["response_mask"][rows].any(1)[:, None]
-    decoder = nnx.merge(graphdef, params)
-    attend = mf.self_attention(decoder.cfg, mask)
-    *_, load = decoder.hidden_states_and_load(
-        tokens, mf.positions_from_mask(mask), lambda i, q, k, v, c: (attend(i, q, k, v), c),
-        mf.dot_general_for(decoder.cfg, fp8.BF16), load_mask=jnp.asarray(counted),
-    )  # fmt: skip
-    return load_balancing_loss(load), float(counted.sum())
+    tokens, mask = jnp.asarray(mb["tokens"]), jnp.asarray(mb["attention_mask"])
+
+    def weighted(params, counted):
+        decoder = nnx.merge(graphdef, params)
+        attend = mf.self_attention(decoder.cfg, mask)
+        dot = mf.dot_general_for(decoder.cfg, fp8.BF16)
+
+        def one(load_mask):
+            *_, load = decoder.hidden_states_and_load(
+                tokens, mf.positions_from_mask(mask),
+                lambda i, q, k, v, c: (attend(i, q, k, v), c), dot, load_mask=load_mask,
+            )  # fmt: skip
+            return load_balancing_loss(load)
+
+        losses = jax.lax.map(one, counted)  # one part after another
+        n = jnp.sum(counted, axis=(1, 2), dtype=jnp.float32)
+        return jnp.sum(losses * n) / jnp.sum(n), losses
+
+    return jax.jit(jax.value_and_grad(weighted, has_aux=True))
 
 
 def max_rel(a, b):
@@ -114,34 +136,36 @@ def test_update_adds_the_weighted_balancing_loss(micro):
     halves = [np.arange(8)] if micro == 0 else [np.arange(0, 8, 2), np.arange(1, 8, 2)]
     if micro < 0:
         halves = [p.rows[p.rows >= 0] for p in fns_for(0.0, micro).token_budget.plan(mb)[1]]
-    parts = [balancing(params, rows) for rows in halves]
-    total = sum(n for _, n in parts)
-    expected = sum(float(v) * n / total for v, n in parts)
-
-    def weighted(p):
-        return sum(
-            balancing(p, rows)[0] * n / total for rows, (_, n) in zip(halves, parts, strict=True)
-        )
+    # The real tokens of each micro-batch's samples that have a response token.
+    real = (mb["attention_mask"] != 0) & mb["response_mask"].any(1)[:, None]
+    counted = np.zeros((PARTS, *real.shape), bool)
+    for j, rows in enumerate(halves):
+        counted[j, rows] = real[rows]
+    (expected, _), bal_grads = balancing()(params, jnp.asarray(counted))
+    expected = float(expected)
 
     # Without the loss, token-budget micro-batches give the whole mini-batch's gradient
-    # (tests/jfp8rl/trainer/test_microbatch.py): compiled once here.
-    loss0, grads0, m0 = loss_and_grads(fns_for(0.0, max(micro, 0)), mb)
-    loss1, grads1, m1 = loss_and_grads(fns_for(COEF, micro), mb)
+    # (tests/jfp8rl/trainer/test_microbatch.py): the whole one's, computed once for both.
+    loss0, grads0, m0 = loss_and_grads(0.0, max(micro, 0))
+    loss1, grads1, m1 = loss_and_grads(COEF, micro)
     # Logged with or without the coefficient; the update's loss moves by coef x it.
     for m in (m0, m1) if micro >= 0 else (m1,):
         assert abs(float(m["actor/moe_aux_loss"]) - expected) < 1e-6
     if micro >= 0:  # the whole mini-batch's loss and the micro-batches' recomputed one
         assert abs(float(loss1) - float(loss0) - COEF * expected) < 1e-6
-    want = jax.tree.map(lambda g0, gb: g0 + COEF * gb, grads0, jax.grad(weighted)(params))
+    want = jax.tree.map(lambda g0, gb: g0 + COEF * gb, grads0, bal_grads)
     assert max_rel(grads1, want) < 1e-5
 
 
 def test_dense_policy_logs_no_balancing_loss_and_the_key_is_checked():
+    # The metrics' keys only: traced, not compiled (`jax.eval_shape`).
     fns = fns_for(0.0, name="tiny_qwen3")
-    graphdef, params = model("tiny_qwen3")
+    _, params = model("tiny_qwen3")
     with fns.mesh_context():
-        run = jax.jit(lambda p, b: fns.loss_and_grads(p, init_calib_state(CALIB), b, True, False))
-        metrics = run(params, put_batch(mini_batch("tiny_qwen3"), make_mesh()))[3]
+        metrics = jax.eval_shape(
+            lambda p, b: fns.loss_and_grads(p, init_calib_state(CALIB), b, True, False),
+            params, put_batch(mini_batch(), make_mesh()),
+        )[3]  # fmt: skip
     assert "actor/moe_aux_loss" not in metrics
     assert load_config("configs/tiny_moe_cpu.yaml", []).algorithm.moe_aux_loss_coef == 0.0
     with pytest.raises(ConfigError, match="moe_aux_loss_coef"):

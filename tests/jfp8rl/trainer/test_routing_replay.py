@@ -27,6 +27,7 @@ from models.fp8 import get_recipe
 from rollout_bridge.backend import Completion
 
 REPO_CONFIG = "configs/tiny_cpu.yaml"
+RECIPE = get_recipe("fp8_block")
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +47,8 @@ def moe():
     batch = random_batch(8, 5, 4, seed=2)
     batch["rewards"] = np.array([1, 0, 0, 1, 0, 1, 0, 0], np.float32)
     tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["attention_mask"])
-    own = np.asarray(
-        mf.routed_experts(graphdef, params, tokens, mask, recipe=get_recipe("fp8_block"))
-    )
+    routed = jax.jit(lambda p, t, m: mf.routed_experts(graphdef, p, t, m, recipe=RECIPE))
+    own = np.asarray(routed(params, tokens, mask))
     # The "rollout's" record: the router's own choice except every third real token of layer 0
     # (other experts), unknown (-1) on pads.
     rec = own.astype(np.int16)
@@ -80,24 +80,27 @@ def _response(x, batch):
 def test_prepare_scores_the_recorded_routing_and_logs_the_mismatch(moe) -> None:
     cfg, graphdef, params, fns, batch, own, changed = moe
     out, mets = fns.prepare(params, None, put_batch(batch, make_mesh()), calibrate=False)
-    recipe = get_recipe("fp8_block")
     tokens, mask = jnp.asarray(batch["tokens"]), jnp.asarray(batch["attention_mask"])
-    replayed = mf.token_logprobs(
-        graphdef, params, tokens, mask, recipe=recipe, routing=jnp.asarray(batch["routing"])
-    )
-    mine = mf.token_logprobs(graphdef, params, tokens, mask, recipe=recipe)
+
+    @jax.jit  # the model's own forwards, one program
+    def forwards(params, routing):
+        replayed = mf.token_logprobs(graphdef, params, tokens, mask, recipe=RECIPE, routing=routing)
+        mine = mf.token_logprobs(graphdef, params, tokens, mask, recipe=RECIPE)
+        # The experts the router itself picks in the replayed forward.
+        own_replayed = mf.hidden_states_and_routing(
+            graphdef, params, tokens, mask, recipe=RECIPE, routing=routing
+        )[1]
+        return replayed, mine, own_replayed
+
+    replayed, mine, own_replayed = forwards(params, jnp.asarray(batch["routing"]))
     got = np.asarray(out["old_logp"])
     np.testing.assert_allclose(got, _response(np.asarray(replayed), batch), rtol=0, atol=1e-6)
     assert np.abs(got - _response(np.asarray(mine), batch)).max() > 1e-3
     # Every replayed pair of layer 0 differs in its expert set (a shift by 3 of 8 experts);
     # later layers see other hidden states, so their own choice may differ too: count them.
     known = (batch["routing"] >= 0).all(-1) & batch["attention_mask"].astype(bool)[..., None]
-    own_replayed = np.asarray(
-        mf.hidden_states_and_routing(
-            graphdef, params, tokens, mask, recipe=recipe, routing=jnp.asarray(batch["routing"])
-        )[1]
-    )
-    differ = (np.sort(batch["routing"], -1) != np.sort(own_replayed, -1)).any(-1) & known
+    differ = (np.sort(batch["routing"], -1) != np.sort(np.asarray(own_replayed), -1)).any(-1)
+    differ &= known
     assert differ[:, :, 0].sum() == changed.sum()
     np.testing.assert_allclose(
         float(mets["rollout_corr/routing_mismatch"]), differ.sum() / known.sum(), rtol=1e-6
