@@ -189,7 +189,7 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     assert prep[True] == {"fp8_block": 2, "bf16": 1}
     # The update's inputs as `prepare` gives them: shapes only (traced, never compiled).
     out = jax.eval_shape(fns.prepare_programs[True], params, params, b)[0]
-    mb_np = present(random_batch(N, P, R, seed=5), MODEL_INPUTS + ("rollout_logp",)) | out
+    mb_shapes = present(random_batch(N, P, R, seed=5), MODEL_INPUTS + ("rollout_logp",)) | out
     state = {
         "params": params,
         "opt_state": fns.optimizer.init(params),
@@ -197,7 +197,7 @@ def test_bf16_shadow_only_in_calibrating_programs(model, monkeypatch) -> None:
     }
     upd = {}
     for c in (False, True):
-        mb = {k: v for k, v in mb_np.items() if c or k != "old_logp_bf16"}
+        mb = {k: v for k, v in mb_shapes.items() if c or k != "old_logp_bf16"}
         upd[c] = _count_forwards(
             monkeypatch,
             fns.update_programs[c],
