@@ -224,13 +224,15 @@ class Attention(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     """Pre-norm block: x += attn(norm(x)); x += mlp(norm(x)) (residual stream in compute dtype);
-    the MLP is a `SparseMoE` in Mixture-of-Experts models."""
+    the MLP is a `SparseMoE` in Mixture-of-Experts models (`sparse`: this layer's kind, default
+    `cfg.is_moe`). A mixed model's stacked layer also holds `dense_mlp` (`stacked_layers`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sparse: bool | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
         self.self_attn = Attention(cfg, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg=cfg)
-        self.mlp = SparseMoE(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+        sparse = cfg.is_moe if sparse is None else sparse
+        self.mlp = SparseMoE(cfg, rngs=rngs) if sparse else MLP(cfg, rngs=rngs)
 
     def __call__(
         self,
@@ -242,17 +244,76 @@ class DecoderLayer(nnx.Module):
         dot_general: DotGeneral,
         routing: Int[Array, "B T k"] | None = None,
         load_mask: Bool[Array, "B T"] | None = None,
+        mlp_slot: tuple[Any, Any] | None = None,
     ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "B T k"] | None, RouterLoad | None]:
         """(x, carry, the experts each token was routed to, the MoE layer's `RouterLoad` over
         the `load_mask` tokens); the last two None for a dense MLP, the load None without a
-        mask."""
+        mask. `mlp_slot` = (sparse, slot): in a mixed model, which of the two MLP stacks this
+        layer's MLP is in and where (`mixed_mlp`)."""
         a, carry = self.self_attn(self.input_layernorm(x), cos, sin, attend, carry, dot_general)
         x = x + a
         h = self.post_attention_layernorm(x)
-        if isinstance(self.mlp, SparseMoE):
-            y, routed, load = self.mlp(h, dot_general, routing, load_mask)
-            return x + y, carry, routed, load
-        return x + self.mlp(h, dot_general), carry, None, None
+        if mlp_slot is not None:
+            y, routed, load = self.mixed_mlp(h, dot_general, routing, load_mask, *mlp_slot)
+        else:
+            y, routed, load = run_mlp(self.mlp, h, dot_general, routing, load_mask)
+        return x + y, carry, routed, load
+
+    def mixed_mlp(
+        self,
+        h: Float[Array, "B T D"],
+        dot_general: DotGeneral,
+        routing: Int[Array, "B T k"] | None,
+        load_mask: Bool[Array, "B T"] | None,
+        sparse: bool | Array,
+        slot: int | Array,
+    ) -> tuple[Float[Array, "B T D"], Array, RouterLoad | None]:
+        """One layer's MLP in a mixed model, whose `mlp` holds the MoE blocks of all its sparse
+        layers stacked and `dense_mlp` the dense MLPs of the others: slice `slot` of the stack
+        `sparse` picks. Traced `sparse` (the layer scan) runs one branch of a `lax.cond`; a
+        dense layer returns zero routing and load in the MoE branch's shapes, which the decoder
+        drops (`Decoder.hidden_states_and_load`)."""
+
+        def moe(h: Array, slot: Any) -> tuple[Array, Array, RouterLoad | None]:
+            return run_mlp(_module_slice(self.mlp, slot), h, dot_general, routing, load_mask)
+
+        shapes = jax.eval_shape(functools.partial(moe, slot=slot), h)  # a Python slot stays one
+
+        def dense(h: Array, slot: Any) -> tuple[Array, Array, RouterLoad | None]:
+            y, _, _ = run_mlp(_module_slice(self.dense_mlp, slot), h, dot_general, None, None)
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1:])
+            return (y, *zeros)
+
+        if isinstance(sparse, bool):
+            return (moe if sparse else dense)(h, slot)
+        return jax.lax.cond(sparse, moe, dense, h, slot)
+
+
+def run_mlp(
+    mlp: MLP | SparseMoE,
+    h: Float[Array, "B T D"],
+    dot_general: DotGeneral,
+    routing: Int[Array, "B T k"] | None,
+    load_mask: Bool[Array, "B T"] | None,
+) -> tuple[Float[Array, "B T D"], Int[Array, "B T k"] | None, RouterLoad | None]:
+    """(the MLP's output, the experts each token was routed to, the `RouterLoad`); the last
+    two None for a dense MLP."""
+    if isinstance(mlp, SparseMoE):
+        return mlp(h, dot_general, routing, load_mask)
+    return mlp(h, dot_general), None, None
+
+
+def _module_slice(stacked: nnx.Module, slot: int | Array) -> nnx.Module:
+    """Slice `slot` of a module whose params are stacked on a leading axis (held per layer:
+    the `PerLayer`'s own slice, `slot` then a Python int), stored FP8 weights expanded."""
+
+    def one(x: Any) -> Any:
+        if _is_per_layer(x):
+            return x.slices[slot]
+        return jax.lax.dynamic_index_in_dim(x, slot, keepdims=False)
+
+    graph, state = nnx.split(stacked)
+    return nnx.merge(graph, fp8.dense_weights(jax.tree.map(one, state, is_leaf=_is_per_layer)))
 
 
 class Embed(nnx.Module):
@@ -272,13 +333,30 @@ class Embed(nnx.Module):
 def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     """One `DecoderLayer` whose params are the L layers' params stacked on a leading axis.
 
+    In a mixed model (`cfg.is_mixed`: dense and MoE layers) the attention and norms are stacked
+    over all L layers, `mlp` over the MoE layers only and `dense_mlp` over the dense ones, in
+    layer order (`cfg.sparse_layers`).
+
     Built as L separate layers and stacked, so the random stream (and so `init_model(cfg, seed)`)
     is the same as that of L unstacked layers; under `nnx.eval_shape` nothing is allocated.
     """
-    layers = [DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in layers])
-    nnx.update(layers[0], stacked)
-    return layers[0]
+    kinds = cfg.sparse_layers
+    layers = [DecoderLayer(cfg, rngs=rngs, sparse=k) for k in kinds]
+    states = [nnx.state(layer) for layer in layers]
+
+    def stack(trees: list[Any]) -> Any:
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+    if not cfg.is_mixed:
+        nnx.update(layers[0], stack(states))
+        return layers[0]
+    first = layers[kinds.index(True)]
+    first.dense_mlp = layers[kinds.index(False)].mlp
+    stacked = {k: stack([s[k] for s in states]) for k in states[0] if k != "mlp"}
+    stacked["mlp"] = stack([s["mlp"] for s, k in zip(states, kinds, strict=True) if k])
+    stacked["dense_mlp"] = stack([s["mlp"] for s, k in zip(states, kinds, strict=True) if not k])
+    nnx.update(first, nnx.State(stacked))
+    return first
 
 
 class Backbone(nnx.Module):
@@ -359,19 +437,30 @@ class Decoder(nnx.Module):
         # to fuse into unrolled layers, XLA recomputes cos/sin there with other f32 roundings.
         cos, sin = jax.lax.optimization_barrier(rope_cos_sin(positions, rope_inv_freq(cfg)))
         x = constrain_batch(self.model.embed_tokens(tokens).astype(cfg.compute_dtype))
-        layer_def, layer_params = nnx.split(self.model.layers)
         mask = load_mask if cfg.is_moe else None
+        # A mixed model's MLP stacks (MoE and dense layers) are not sliced by the layer loop:
+        # each layer picks its own slice (`DecoderLayer.mixed_mlp`).
+        mixed = cfg.is_mixed
+        mlp_stacks = nnx.Any(nnx.PathContains("mlp"), nnx.PathContains("dense_mlp"))
+        layer_def, stacks, layer_params = nnx.split(
+            self.model.layers, mlp_stacks if mixed else nnx.Nothing, ...
+        )
+        kinds, slots = cfg.sparse_layers, cfg.mlp_slots
+        moe_ids = np.flatnonzero(kinds)
+        if mixed and routing is not None:  # [L_moe, ...] -> [L, ...] (dense layers' unused)
+            routing = routing[np.array(slots) * np.array(kinds)]
 
         def layer(
-            params_i: nnx.State, x: Array, carry: Any, i: Any, routing_i: Array | None
-        ) -> tuple[Array, Any, Array | None, RouterLoad | None]:
+            params_i: nnx.State, x: Array, carry: Any, i: Any, routing_i: Array | None,
+            mlp_slot: tuple[Any, Any] | None,
+        ) -> tuple[Array, Any, Array | None, RouterLoad | None]:  # fmt: skip
             def attend(q: Array, k: Array, v: Array, c: Any) -> tuple[Array, Any]:
                 return attend_at(i, q, k, v, c)
 
             # Stored FP8 weights (the rollout engine's) expand here, one layer at a time.
             params_i = fp8.dense_weights(params_i)
-            x, carry, routed, load = nnx.merge(layer_def, params_i)(
-                x, cos, sin, attend, carry, dot_general, routing_i, mask
+            x, carry, routed, load = nnx.merge(layer_def, stacks, params_i)(
+                x, cos, sin, attend, carry, dot_general, routing_i, mask, mlp_slot
             )
             return constrain_batch(x), carry, routed, load
 
@@ -380,8 +469,8 @@ class Decoder(nnx.Module):
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat], prevent_cse=False)
 
         def body(state: tuple[Array, Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
-            params_i, i, routing_i = xs
-            x, carry, routed, load = layer(params_i, *state, i, routing_i)
+            params_i, i, routing_i, mlp_slot = xs
+            x, carry, routed, load = layer(params_i, *state, i, routing_i, mlp_slot)
             return (x, carry), (routed, load)
 
         per_layer = per_layer_params(layer_params, cfg.num_layers)
@@ -389,16 +478,20 @@ class Decoder(nnx.Module):
             outs = []
             for i, params_i in enumerate(per_layer):
                 x, carry, routed, load = layer(
-                    params_i, x, carry, i, None if routing is None else routing[i]
-                )
+                    params_i, x, carry, i, None if routing is None else routing[i],
+                    (kinds[i], slots[i]) if mixed else None,
+                )  # fmt: skip
                 outs.append((routed, load))
                 # x is materialised between layers, as in the scan: a fusion across two layers
                 # could skip a rounding to the compute dtype (XLA's bf16 excess precision).
                 x = jax.lax.optimization_barrier(x)
             routed, load = jax.tree.map(lambda *a: jnp.stack(a), *outs)  # (None, None): dense
-            return self.model.norm(x), carry, routed, load
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, carry), (routed, load) = jax.lax.scan(
-            body, (x, carry), (layer_params, layer_ids, routing)
-        )
+        else:
+            layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            mlp_slots = (jnp.array(kinds), jnp.array(slots, jnp.int32)) if mixed else None
+            (x, carry), (routed, load) = jax.lax.scan(
+                body, (x, carry), (layer_params, layer_ids, routing, mlp_slots)
+            )
+        if mixed:  # the MoE layers' rows only
+            routed, load = jax.tree.map(lambda a: a[moe_ids], (routed, load))
         return self.model.norm(x), carry, routed, load

@@ -116,7 +116,7 @@ def init_cache(
         index=jnp.zeros((), jnp.int32),
         scales=kvq.unit_scales(cfg.num_layers) if kv_scales is None else kv_scales,
         routing=(
-            jnp.full((batch, max_len, cfg.num_layers, cfg.num_experts_per_tok), -1, jnp.int16)
+            jnp.full((batch, max_len, cfg.num_moe_layers, cfg.num_experts_per_tok), -1, jnp.int16)
             if cfg.is_moe and record_routing
             else None
         ),

@@ -87,7 +87,8 @@ LAYER_NAME_MAPS: dict[str, list[tuple[str, tuple[str, ...], bool]]] = {
 class HFTensor(NamedTuple):
     """One HF tensor: `name` <-> `params[path]` (with `[layer]` on the leading axis of a stacked
     layer param, `layer` None otherwise, and `[layer, expert]` for an MoE expert's weight),
-    transposed ([out, in] <-> our [in, out]) or not."""
+    transposed ([out, in] <-> our [in, out]) or not. `layer` is the index in the param's stack:
+    the layer's own, but in a mixed model's MLP stacks its `cfg.mlp_slots` entry."""
 
     name: str
     path: tuple[str, ...]
@@ -115,14 +116,19 @@ def hf_name_map(cfg: ModelConfig) -> list[HFTensor]:
     layer_rows = list(LAYER_NAME_MAPS[cfg.arch])
     if cfg.arch != "qwen2" and cfg.qkv_bias:
         layer_rows += _QKV_BIAS
-    for i in range(cfg.num_layers):
-        for hf, ours, transposed in layer_rows:
+    # A mixed model's dense layers hold a dense MLP (HF `mlp.*_proj`) in the `dense_mlp` stack;
+    # its MLP params are indexed by the layer's slot in its kind's stack (`cfg.mlp_slots`).
+    dense_rows = [r for r in layer_rows if r[1][0] != "mlp"]
+    dense_rows += [(hf, ("dense_mlp", *ours[1:]), t) for hf, ours, t in _MLP]
+    for i, (sparse, slot) in enumerate(zip(cfg.sparse_layers, cfg.mlp_slots, strict=True)):
+        for hf, ours, transposed in layer_rows if sparse or not cfg.is_mixed else dense_rows:
             path = (*LAYERS_PATH, *ours)
+            index = slot if ours[0] in ("mlp", "dense_mlp") else i
             if "{e}" not in hf:
-                rows.append(HFTensor(hf.format(i=i), path, i, transposed))
+                rows.append(HFTensor(hf.format(i=i), path, index, transposed))
                 continue
             for e in range(cfg.num_experts):
-                rows.append(HFTensor(hf.format(i=i, e=e), path, i, transposed, e))
+                rows.append(HFTensor(hf.format(i=i, e=e), path, index, transposed, e))
     rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _FINAL]
     if not cfg.tie_word_embeddings:
         rows += [HFTensor(hf, ours, None, t) for hf, ours, t in _LM_HEAD]

@@ -30,7 +30,8 @@ from client import run_reference  # noqa: E402
 
 GOLDEN_DIR = ROOT / "tests" / "models" / "golden"
 GOLDEN_PRESETS = (
-    "tiny_qwen2", "tiny_qwen3", "tiny_llama", "tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_mixtral"
+    "tiny_qwen2", "tiny_qwen3", "tiny_llama", "tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_mixtral",
+    "tiny_qwen3_moe_mixed",
 )  # fmt: skip
 BALANCE = "load_balancing"  # the MoE load-balancing loss fixture
 BALANCE_SHAPE = dict(layers=3, batch=3, seq=7, experts=8, top_k=2)

@@ -90,11 +90,48 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
     shared_expert_intermediate_size: int = 0
+    # Which layers of a Qwen3-MoE / Qwen2-MoE model are sparse (HF's rule): layer i is an MoE
+    # layer when i is not in `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0; the
+    # others are dense SwiGLU MLPs of width `intermediate_size` (`sparse_layers`). The defaults
+    # make every layer sparse, as in every released Qwen3-MoE and Qwen2-MoE checkpoint.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
 
     @property
     def is_moe(self) -> bool:
-        """Whether the decoder layers' MLPs are Mixture-of-Experts blocks."""
+        """Whether the decoder layers' MLPs are Mixture-of-Experts blocks (all of them, or those
+        of `sparse_layers` in a mixed model)."""
         return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether its MLP is an MoE block (HF Qwen3-MoE's rule: not in
+        `mlp_only_layers` and (i + 1) % `decoder_sparse_step` == 0)."""
+        only = set(self.mlp_only_layers)
+        return tuple(
+            self.is_moe and i not in only and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def is_mixed(self) -> bool:
+        """An MoE model some of whose layers are dense (`sparse_layers`): its MoE and dense
+        MLPs are two stacks (`models.decoder`)."""
+        return self.is_moe and not all(self.sparse_layers)
+
+    @property
+    def mlp_slots(self) -> tuple[int, ...]:
+        """Per decoder layer, the index of its MLP's params in their stack: i in a model whose
+        layers are all alike; in a mixed model its rank among the layers of its kind (MoE
+        layers in `mlp`, dense in `dense_mlp`: `models.decoder.stacked_layers`)."""
+        kinds = self.sparse_layers
+        return tuple(kinds[:i].count(kinds[i]) for i in range(self.num_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many layers are MoE layers: the leading axis of the experts' params, of routing
+        records and of router loads."""
+        return sum(self.sparse_layers)
 
     def __post_init__(self) -> None:
         if self.arch not in HF_ARCHITECTURES:
@@ -128,6 +165,7 @@ class ModelConfig:
                     f"ModelConfig(arch={self.arch!r}): head_dim={self.head_dim} must equal "
                     f"hidden_size/num_heads={self.hidden_size}/{self.num_heads}"
                 )
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(map(int, self.mlp_only_layers))))
         self._check_moe()
         if self.qk_norm and self.arch not in ("qwen3", "qwen3_moe"):
             raise ValueError(f"ModelConfig: qk_norm is a Qwen3 feature, arch={self.arch!r}")
@@ -163,13 +201,20 @@ class ModelConfig:
         if self.arch == "mixtral" and not (
             self.norm_topk_prob and not self.qkv_bias
             and self.intermediate_size == self.moe_intermediate_size
+            and all(self.sparse_layers)
         ):  # fmt: skip
             raise ValueError(
                 "ModelConfig(arch='mixtral'): Mixtral renormalises the top-k (norm_topk_prob="
-                "True), has no q/k/v bias and one expert width (intermediate_size == "
-                "moe_intermediate_size)"
+                "True), has no q/k/v bias, one expert width (intermediate_size == "
+                "moe_intermediate_size) and experts in every layer (no mlp_only_layers, "
+                "decoder_sparse_step=1)"
             )
         if not self.is_moe:
+            if self.mlp_only_layers or self.decoder_sparse_step != 1:
+                raise ValueError(
+                    f"ModelConfig: mlp_only_layers / decoder_sparse_step are MoE settings, "
+                    f"arch={self.arch!r} has no experts"
+                )
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
@@ -182,6 +227,20 @@ class ModelConfig:
             raise ValueError(
                 "ModelConfig: batch_invariant (rollout.on_policy=exact) is not built for "
                 "Mixture-of-Experts layers; use rollout.on_policy=off"
+            )
+        if self.decoder_sparse_step < 1 or not set(self.mlp_only_layers) <= set(
+            range(self.num_layers)
+        ):
+            raise ValueError(
+                f"ModelConfig: decoder_sparse_step={self.decoder_sparse_step} must be >= 1 and "
+                f"mlp_only_layers={list(self.mlp_only_layers)} layer indices in "
+                f"0..{self.num_layers - 1}"
+            )
+        if not any(self.sparse_layers):
+            raise ValueError(
+                f"ModelConfig: {self.arch} with mlp_only_layers={list(self.mlp_only_layers)} and "
+                f"decoder_sparse_step={self.decoder_sparse_step} has no MoE layer; use the dense "
+                "arch instead"
             )
 
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -208,14 +267,14 @@ class ModelConfig:
         )
         attn = d * hd * (h + 2 * k) + h * hd * d + (hd * (h + 2 * k) if self.qkv_bias else 0)
         attn += 2 * hd if self.qk_norm else 0
-        mlp = 3 * d * f
-        if self.is_moe:
-            mlp = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
-            if self.shared_expert_intermediate_size:
-                mlp += 3 * d * self.shared_expert_intermediate_size + d
-        layer = attn + mlp + 2 * d
+        dense = 3 * d * f
+        sparse = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size
+        if self.shared_expert_intermediate_size:
+            sparse += 3 * d * self.shared_expert_intermediate_size + d
+        n_sparse = self.num_moe_layers
+        mlps = n_sparse * sparse + (self.num_layers - n_sparse) * dense
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        return self.vocab_size * d + self.num_layers * (attn + 2 * d) + mlps + d + head
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
@@ -329,8 +388,8 @@ class ModelConfig:
                 moe_intermediate_size=self.moe_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob,
                 router_aux_loss_coef=self.router_aux_loss_coef,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
                 output_router_logits=False,
             )
         if self.shared_expert_intermediate_size:
@@ -347,9 +406,9 @@ class ModelConfig:
 def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral config.json (transformers 5 writes
     `num_experts` as `num_local_experts`, Mixtral's own name; Mixtral's experts have the width
-    `intermediate_size` and always renormalise the top-k). Every layer must be sparse: a mix of
-    dense and MoE layers (`mlp_only_layers`, `decoder_sparse_step` > 1) would need two layer
-    stacks, not built; so must every layer attend to the whole context (no sliding window)."""
+    `intermediate_size` and always renormalise the top-k). Qwen3-MoE and Qwen2-MoE may mix
+    dense and MoE layers (`mlp_only_layers`, `decoder_sparse_step`; Mixtral has neither key).
+    Every layer must attend to the whole context (no sliding window)."""
     mixtral = model_type == "mixtral"
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     width = "intermediate_size" if mixtral else "moe_intermediate_size"
@@ -359,12 +418,6 @@ def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                if v is None]  # fmt: skip
     if missing:
         raise ValueError(f"config.json ({model_type}): missing keys {missing}")
-    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
-        raise ValueError(
-            f"config.json ({model_type}): mlp_only_layers={hf.get('mlp_only_layers')} "
-            f"decoder_sparse_step={hf.get('decoder_sparse_step')}: only models whose every "
-            "layer is an MoE layer are supported (mlp_only_layers=[], decoder_sparse_step=1)"
-        )
     if hf.get("use_sliding_window") or (mixtral and hf.get("sliding_window")):
         raise ValueError(f"config.json ({model_type}): sliding-window attention is not built")
     return dict(
@@ -374,4 +427,6 @@ def _moe_fields(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
         norm_topk_prob=mixtral or bool(hf.get("norm_topk_prob", False)),  # HF configs' default
         router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
     )

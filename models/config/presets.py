@@ -45,10 +45,26 @@ _TINY_ARITH = dict(
     compute_dtype=jnp.float32,
 )
 
+# Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised), every layer sparse.
+_TINY_QWEN3_MOE = ModelConfig(
+    arch="qwen3_moe",
+    **{**_TINY, "head_dim": 32},
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+)
+
 # The tiny_* presets cover every feature: qkv bias + tied head (qwen2), q/k norm with
 # head_dim != hidden/heads (qwen3), llama3 RoPE scaling with an untied head (llama), top-2 of 8
 # experts in every layer (qwen3_moe; qwen2_moe with a shared expert and q/k/v biases, the top-k
-# weights not renormalised; mixtral with Llama attention).
+# weights not renormalised; mixtral with Llama attention), dense and MoE layers mixed
+# (qwen3_moe_mixed).
 PRESETS: dict[str, ModelConfig] = {
     "tiny_qwen2": ModelConfig(
         arch="qwen2",
@@ -66,20 +82,10 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
         qk_norm=True,
     ),
-    # Qwen3-MoE: 8 experts of width 32, 2 per token (renormalised), every layer sparse.
-    "tiny_qwen3_moe": ModelConfig(
-        arch="qwen3_moe",
-        **{**_TINY, "head_dim": 32},
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        qk_norm=True,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-        router_aux_loss_coef=0.001,
-    ),
+    "tiny_qwen3_moe": _TINY_QWEN3_MOE,
+    # The same with dense and MoE layers mixed: 3 layers, the middle one a dense SwiGLU MLP of
+    # width 128 (`mlp_only_layers`), so the layer stack runs sparse, dense, sparse.
+    "tiny_qwen3_moe_mixed": _TINY_QWEN3_MOE.replace(num_layers=3, mlp_only_layers=(1,)),
     # Qwen2-MoE: 8 experts of width 32, 2 per token (raw probabilities), a shared expert of 48.
     "tiny_qwen2_moe": ModelConfig(
         arch="qwen2_moe",

@@ -17,7 +17,7 @@ from models import functional as F
 from models.config import ModelConfig, get_config
 
 TINY = ("tiny_qwen2", "tiny_qwen3", "tiny_llama", "tiny_qwen3_moe", "tiny_qwen2_moe",
-        "tiny_mixtral")  # fmt: skip
+        "tiny_mixtral", "tiny_qwen3_moe_mixed")  # fmt: skip
 
 forward = jax.jit(F.forward, static_argnums=0, static_argnames="recipe")
 prefill = jax.jit(decoding.prefill, static_argnums=0, static_argnames="recipe")

@@ -40,8 +40,9 @@ def test_real_presets_match_published_sizes(name, published):
 
 def test_moe_active_parameters_and_config_json_dialects():
     """Qwen3-30B-A3B's 3.3B active parameters (its model card); transformers 5's
-    `num_local_experts` is read as `num_experts`; a checkpoint with dense layers among the MoE
-    ones is refused, naming the keys."""
+    `num_local_experts` is read as `num_experts`; dense layers among the MoE ones follow HF's
+    rule (not in `mlp_only_layers`, (i + 1) % `decoder_sparse_step` == 0) and round-trip through
+    config.json; a mix without an MoE layer, or out of range, is refused naming the keys."""
     cfg = PRESETS["qwen3_30b_a3b"]
     assert cfg.num_params(active=True) == pytest.approx(3.3e9, rel=0.02)
     # Qwen1.5-MoE-A2.7B's and Mixtral-8x7B's active counts (their model cards).
@@ -50,8 +51,24 @@ def test_moe_active_parameters_and_config_json_dialects():
     hf = cfg.to_hf_config()
     hf["num_local_experts"] = hf.pop("num_experts")
     assert ModelConfig.from_hf_config(hf) == cfg
-    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\]"):
-        ModelConfig.from_hf_config({**cfg.to_hf_config(), "mlp_only_layers": [0]})
+    mixed = ModelConfig.from_hf_config(
+        {**cfg.to_hf_config(), "mlp_only_layers": [5, 0], "decoder_sparse_step": 2}
+    )
+    kinds = mixed.sparse_layers
+    assert kinds[:8] == (False, True, False, True, False, False, False, True)
+    assert mixed.num_moe_layers == 23 and mixed.mlp_slots[:6] == (0, 0, 1, 1, 2, 3)
+    assert ModelConfig.from_hf_config(mixed.to_hf_config()) == mixed
+    # 25 dense MLPs of width 6144 instead of 25 MoE blocks (128 experts of 768, a router).
+    dense, sparse = 3 * 2048 * 6144, 2048 * 128 + 128 * 3 * 2048 * 768
+    assert cfg.num_params() - mixed.num_params() == 25 * (sparse - dense)
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0, 1\].*has no MoE layer"):
+        get_config("tiny_qwen3_moe", mlp_only_layers=[1, 0])
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[2\] layer indices in 0..1"):
+        get_config("tiny_qwen3_moe", mlp_only_layers=[2])
+    with pytest.raises(ValueError, match="mixtral.*experts in every layer"):
+        get_config("tiny_mixtral", decoder_sparse_step=2)
+    with pytest.raises(ValueError, match="arch='qwen3' has no experts"):
+        get_config("tiny_qwen3", mlp_only_layers=[0])
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be in 1..num_experts=8"):
         get_config("tiny_qwen3_moe", num_experts_per_tok=9)
     with pytest.raises(ValueError, match="batch_invariant"):

@@ -90,10 +90,20 @@ def test_saved_folder_loads_in_transformers_with_same_logits(name, tmp_path, tra
 
 
 @pytest.mark.vllm
-def test_live_moe_without_topk_renormalisation(tmp_path, transformers_ref):
-    """Qwen3-MoE with `norm_topk_prob: false` (the experts' weights are the router's raw
-    probabilities), initialised and run by transformers, loaded through the name map."""
-    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32, norm_topk_prob=False)
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("tiny_qwen3_moe", {"norm_topk_prob": False}),
+        ("tiny_qwen2_moe", {"num_layers": 4, "decoder_sparse_step": 2}),
+    ],
+    ids=["qwen3_moe_raw_topk", "qwen2_moe_sparse_step_2"],
+)
+def test_live_moe_variants(name, overrides, tmp_path, transformers_ref):
+    """MoE config variants, initialised and run by transformers, loaded through the name map:
+    Qwen3-MoE with `norm_topk_prob: false` (the experts' weights are the router's raw
+    probabilities); Qwen2-MoE with `decoder_sparse_step: 2` (layers 1 and 3 sparse, 0 and 2
+    dense MLPs of `intermediate_size`)."""
+    cfg = get_config(name, compute_dtype=jnp.float32, **overrides)
     tokens, mask = left_padded_batch(cfg.vocab_size, 20, (0, 6))
     folder = tmp_path / "hf"
     _, out = transformers_ref(
@@ -101,7 +111,7 @@ def test_live_moe_without_topk_renormalisation(tmp_path, transformers_ref):
         arrays={"tokens": np.asarray(tokens), "mask": np.asarray(mask)},
     )  # fmt: skip
     loaded_cfg, graphdef, params = load_hf(folder, compute_dtype=jnp.float32)
-    assert not loaded_cfg.norm_topk_prob
+    assert loaded_cfg == cfg.replace(bos_token_id=loaded_cfg.bos_token_id)
     ours = np.asarray(forward(graphdef, params, tokens, mask, recipe=fp8.BF16))
     real = np.asarray(mask).astype(bool)
     assert np.abs(ours - out["logits"])[real].max() < TOL

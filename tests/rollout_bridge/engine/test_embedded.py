@@ -531,10 +531,11 @@ def test_weights_quantized_once_give_the_same_numbers(model, tmp_path, recipe, f
     per_step.close()
 
 
-@pytest.fixture(scope="module", params=["tiny_qwen3_moe", "tiny_qwen2_moe", "tiny_mixtral"])
+@pytest.fixture(scope="module", params=["tiny_qwen3_moe_mixed", "tiny_qwen2_moe", "tiny_mixtral"])
 def moe_model(request):
-    """A tiny MoE model (8 experts, top 2; Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral
-    with its own tensor names), sharpened weights, f32 compute."""
+    """A tiny MoE model (8 experts, top 2; Qwen3-MoE with a dense layer between two MoE layers,
+    Qwen2-MoE with its shared expert, Mixtral with its own tensor names), sharpened weights,
+    f32 compute."""
     cfg = get_config(request.param, compute_dtype=jnp.float32)
     graphdef, _ = mf.abstract_model(cfg)
     hf = sharp_hf_state(cfg, 1)
@@ -576,14 +577,14 @@ def test_moe_block_fp8_push_installs_each_experts_operand(moe_model, tmp_path):
     eng.push_weights(hf, "moe-1")
     tensors, _ = load_export(tmp_path / "moe-1")
     expert_weights = [n for n in hf if ".experts." in n]
-    assert len(expert_weights) == cfg.num_layers * cfg.num_experts * 3
+    assert len(expert_weights) == cfg.num_moe_layers * cfg.num_experts * 3
     assert all(n + "_scale_inv" in tensors for n in expert_weights)
     gates = [n for n in hf if n.endswith(("gate.weight", "shared_expert_gate.weight"))]
     assert gates and not any(n + "_scale_inv" in tensors for n in gates)  # routers stay high
     experts = eng.params["model"]["layers"]["mlp"]["experts"]
     masters = params["model"]["layers"]["mlp"]["experts"]
     for name in ("gate_proj", "up_proj", "down_proj"):
-        for layer in range(cfg.num_layers):
+        for layer in range(cfg.num_moe_layers):
             installed = np.asarray(experts[name].get_value().slices[layer])
             want = jax.vmap(lambda w: _fake_quantize_weight(w, recipe=recipe))(
                 masters[name].get_value()[layer]
@@ -625,7 +626,7 @@ def test_moe_records_the_routing_the_trainer_computes(moe_model):
     )
     for r, c in enumerate(out):
         n = len(c.prompt_ids) + len(c.response_ids)
-        assert c.routed_experts.shape == (n, cfg.num_layers, cfg.num_experts_per_tok)
+        assert c.routed_experts.shape == (n, cfg.num_moe_layers, cfg.num_experts_per_tok)
         assert c.routed_experts.dtype == np.int16 and np.all(c.routed_experts[-1] == -1)
         np.testing.assert_array_equal(
             np.sort(c.routed_experts[: n - 1], axis=-1), np.sort(own[r, : n - 1], axis=-1)
