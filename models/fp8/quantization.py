@@ -6,7 +6,10 @@ Scaling is *current* (just-in-time): every group of elements gets the scale
 
 optionally rounded up to a power of two (`2^ceil(log2(amax / fmax))`, UE8M0 style), and
 
-    q = cast_fp8(clip(x / s, -fmax, fmax)),   x ~= q * s   (round to nearest even).
+    q = cast_fp8(clip(x * (1/s), -fmax, fmax)),   x ~= q * s   (round to nearest even).
+
+(x / s is taken as x times the f32 reciprocal of s, as XLA computes a division by a broadcast
+scale: `_clipped_product`.)
 
 `s` multiplies back, like vLLM's `weight_scale_inv`. The scale is written as a multiplication by
 the f32 constant `1/fmax`, not a division by `fmax`: XLA rewrites a division by a constant into
@@ -56,22 +59,29 @@ def scale_shape(shape: Sequence[int], tile: Sequence[int | None]) -> tuple[int, 
     return tuple(-(-d // t) for d, t in zip(shape, tiles, strict=True))
 
 
-def _tiled(x: Array, tiles: tuple[int, ...]) -> Array:
-    """Zero-pads x to whole tiles and reshapes axis i into (groups_i, tile_i)."""
+def _tile_amax(x: Array, tiles: tuple[int, ...]) -> Array:
+    """max |x| over each tile, shape `scale_shape` (NaN if the tile holds one: max propagates
+    it, abs(inf) = inf). Whole tiles are a reshape and a reduction; partial edge tiles (e.g.
+    K = 576 in tiles of 128) a `reduce_window` whose padding is never materialised (a zero-padded
+    copy of the operand, and the slice back, cost more than the quantization itself on CPU)."""
+    if not x.size:
+        return jnp.zeros(tuple(-(-d // t) for d, t in zip(x.shape, tiles, strict=True)), x.dtype)
+    a = jnp.abs(x)
+    if all(d % t == 0 for d, t in zip(x.shape, tiles, strict=True)):
+        split = [n for d, t in zip(x.shape, tiles, strict=True) for n in (d // t, t)]
+        return jnp.max(a.reshape(split), axis=tuple(range(1, 2 * x.ndim, 2)))
     pads = [(0, -d % t) for d, t in zip(x.shape, tiles, strict=True)]
-    if any(p for _, p in pads):
-        x = jnp.pad(x, pads)
-    split = []
-    for d, t in zip(x.shape, tiles, strict=True):
-        split += [d // t, t]
-    return x.reshape(split)
+    return jax.lax.reduce_window(a, -jnp.inf, jax.lax.max, tiles, tiles, pads)
 
 
-def _untile(xt: Array, shape: Sequence[int]) -> Array:
-    n = len(shape)
-    padded = [xt.shape[2 * i] * xt.shape[2 * i + 1] for i in range(n)]
-    x = xt.reshape(padded)
-    return x[tuple(slice(0, d) for d in shape)]
+def _per_element(s: Array, tiles: tuple[int, ...], shape: Sequence[int]) -> Array:
+    """Per-tile values `s` [ceil(d / t) ...] broadcast to every element of their tile, `shape`
+    (a broadcast, a reshape and, for partial edge tiles, a slice: fused into the consumer)."""
+    wide = jnp.broadcast_to(
+        s.reshape([n for g in s.shape for n in (g, 1)]),
+        [n for g, t in zip(s.shape, tiles, strict=True) for n in (g, t)],
+    ).reshape([g * t for g, t in zip(s.shape, tiles, strict=True)])
+    return wide[tuple(slice(0, d) for d in shape)]
 
 
 def compute_scale(amax: Array, fmt: Format, pow2: bool) -> Array:
@@ -110,28 +120,36 @@ def quantize(
       and `dequantize(q, scale, tile)` ~= x. Values past fmax * scale saturate to +-fmax.
     """
     x = jnp.asarray(x)
-    y, scale, inner = _scaled_tiles(x, fmt, tile, pow2)
-    return _untile(y.astype(FP8_DTYPES[fmt]), x.shape), jnp.squeeze(scale, axis=inner)
+    y, scale, _ = _scaled(x, fmt, tile, pow2)
+    return y.astype(FP8_DTYPES[fmt]), scale
 
 
-def _scaled_tiles(
+def _scaled(
     x: Array, fmt: Format, tile: Sequence[int | None], pow2: bool
-) -> tuple[Array, Array, tuple[int, ...]]:
-    """(clip(x / s, -fmax, fmax), s, tile axes) on the tiled f32 x (`_tiled`): what `quantize`
-    casts to FP8, the per-tile scales (keepdims), and the axes they were reduced over."""
-    xt = _tiled(x.astype(jnp.float32), _tile_lengths(x.shape, tile))
-    inner = tuple(range(1, xt.ndim, 2))
-    amax = jnp.max(jnp.abs(xt), axis=inner, keepdims=True) if xt.size else jnp.zeros_like(xt)
-    # A NaN in the group must poison the scale: max() propagates NaN, abs(inf) = inf.
-    return *scaled_by_amax(xt, amax, fmt, pow2), inner
+) -> tuple[Array, Array, Array]:
+    """(clip(x / s, -fmax, fmax), the per-tile scales s [`scale_shape`], s per element) for f32
+    x: what `quantize` casts to FP8. A NaN in a tile poisons its scale (`_tile_amax`)."""
+    x = x.astype(jnp.float32)
+    tiles = _tile_lengths(x.shape, tile)
+    scale = compute_scale(_tile_amax(x, tiles), fmt, pow2)
+    y = _clipped_product(x, _per_element(jnp.float32(1.0) / scale, tiles, x.shape), fmt)
+    return y, scale, _per_element(scale, tiles, x.shape)
 
 
 def scaled_by_amax(x: Array, amax: Array, fmt: Format, pow2: bool) -> tuple[Array, Array]:
     """(clip(x / s, -fmax, fmax), s) for the scale s of each element's group amax (`amax`
     broadcasts against f32 x): the step every tiling shares once its amax is known."""
     scale = compute_scale(amax, fmt, pow2)
+    return _clipped_product(x, jnp.float32(1.0) / scale, fmt), scale
+
+
+def _clipped_product(x: Array, inv_scale: Array, fmt: Format) -> Array:
+    """clip(x * (1 / s), -fmax, fmax): x / s as the product with the f32 reciprocal of its
+    scale, which is what XLA computes for a division by a broadcast scale (its algebraic
+    simplifier rewrites it so); written out, every tiling rounds x / s the same way, also where
+    the scale reaches x through a reshape that keeps the rewrite from applying."""
     fmax = jnp.float32(FP8_MAX[fmt])
-    return jnp.clip(x / scale, -fmax, fmax), scale
+    return jnp.clip(x * inv_scale, -fmax, fmax)
 
 
 # Per format: mantissa bits and the exponent of the smallest normal (below it the grid is the
@@ -171,9 +189,8 @@ def dequantize(
             f"dequantize: scale shape {tuple(scale.shape)} does not match q shape "
             f"{tuple(q.shape)} with tile {tuple(tile)} (expected {expected})"
         )
-    qt = _tiled(q.astype(jnp.float32), tiles)
-    st = jnp.expand_dims(scale.astype(jnp.float32), tuple(range(1, qt.ndim, 2)))
-    return _untile(qt * st, q.shape).astype(dtype)
+    s = _per_element(scale.astype(jnp.float32), tiles, q.shape)
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 @functools.partial(
@@ -206,9 +223,8 @@ def dense_weights(tree: object) -> object:
 def fake_quantize(x: Array, fmt: Format, tile: Sequence[int | None], *, pow2: bool) -> Array:
     """dequantize(quantize(x)) in f32: the value an FP8 GEMM operand really holds (the FP8
     cast done as f32 arithmetic, `round_to_format`: the same values)."""
-    x = jnp.asarray(x)
-    y, scale, _ = _scaled_tiles(x, fmt, tile, pow2)
-    return _untile(round_to_format(y, fmt) * scale, x.shape)
+    y, _, s = _scaled(jnp.asarray(x), fmt, tile, pow2)
+    return round_to_format(y, fmt) * s
 
 
 def nonfinite_count(x: Array) -> Array:
