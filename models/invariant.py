@@ -30,12 +30,17 @@ independent rounding noise. With `ModelConfig.batch_invariant` the model runs th
    temperature applied as a multiplication by its f32 reciprocal. Maxima need nothing: a max
    does not round.
 
+Mixture-of-Experts layers follow the same rules (`models.moe`): the router's logits on padded
+rows, its softmax and top-k weights by `tree_sum`, the grouped GEMMs on at least MIN_ROWS expert
+rows, the experts' weighted outputs summed by `tree_sum` of exact products.
+
 What breaks it (and so is refused by `rollout.on_policy: exact`): a tensor-parallel layer's
 partial-sum all-reduce (its order depends on the shard count), a GPU GEMM that picks split-K
 or its tile by shape (cuBLAS; the Pallas FP8 kernel loops over K in a fixed order with no
 split-K and keeps the property), per-tensor activation scaling (`fp8_tensor`: the amax spans
-the whole batch, so neighbours change a row's scale), and top-k / top-p truncation (the
-trainer scores the untruncated distribution).
+the whole batch, so neighbours change a row's scale), top-k / top-p truncation (the
+trainer scores the untruncated distribution), and an MoE model's trainer on several devices
+(each runs its own tokens' expert rows).
 """
 
 from __future__ import annotations

@@ -143,6 +143,7 @@ class SparseMoE(nnx.Module):
         self.shared_expert = MLP(cfg, rngs=rngs, width=shared) if shared else None
         self.shared_expert_gate = Linear(d, 1, bias=False, cfg=cfg, rngs=rngs) if shared else None
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.batch_invariant = cfg.batch_invariant
 
     def __call__(
         self,
@@ -160,18 +161,20 @@ class SparseMoE(nnx.Module):
                 "an MoE layer needs the recipe's GEMMs as a models.fp8.RecipeDot "
                 "(models.functional.dot_general_for), not a bare dot_general"
             )
-        e, k = self.experts, self.top_k
+        e, k, exact = self.experts, self.top_k, self.batch_invariant
         xf = x.reshape(-1, x.shape[-1])
         weights, experts, own, probs = route(
             xf, self.gate.kernel[...], k, self.norm_topk_prob,
-            None if routing is None else routing.reshape(-1, k),
+            None if routing is None else routing.reshape(-1, k), exact=exact,
         )  # fmt: skip
         y = mix_experts(
             xf, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...],
-            recipe=recipe,
+            recipe=recipe, exact=exact,
         )  # fmt: skip
         if self.shared_expert is not None:
-            g = jax.nn.sigmoid(router_logits(xf, self.shared_expert_gate.kernel[...]))
-            y = y + g * self.shared_expert(xf, dot_general).astype(jnp.float32)
+            gate = router_logits(xf, self.shared_expert_gate.kernel[...], exact=exact)
+            shared = self.shared_expert(xf, dot_general).astype(jnp.float32)
+            mul = invariant.exact_mul if exact else jnp.multiply
+            y = y + mul(jax.nn.sigmoid(gate), shared)
         load = None if load_mask is None else router_load(probs, experts, load_mask.reshape(-1))
         return y.astype(x.dtype).reshape(x.shape), own.reshape(*x.shape[:-1], k), load

@@ -28,15 +28,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from models import invariant
 from models.expert_parallel import sharded_experts
 from models.fp8 import Recipe, grouped_dot
 
 
-def router_logits(x: Float[Array, "N D"], w: Float[Array, "D E"]) -> Float[Array, "N E"]:
-    """x . w in f32 at full precision: a router's logits (never FP8, as the field keeps them)."""
-    return jnp.matmul(
-        x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+def router_logits(
+    x: Float[Array, "N D"], w: Float[Array, "D E"], *, exact: bool = False
+) -> Float[Array, "N E"]:
+    """x . w in f32 at full precision: a router's logits (never FP8, as the field keeps them).
+    `exact`: batch-invariant, the rows padded to `models.invariant.MIN_ROWS` (its rule 1)."""
+    rows, m = invariant.pad_rows(x) if exact else (x, x.shape[0])
+    y = jnp.matmul(
+        rows.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
+    return y[:m]
 
 
 def route(
@@ -45,11 +51,15 @@ def route(
     top_k: int,
     norm_topk_prob: bool,
     routing: Int[Array, "N k"] | None = None,
+    *,
+    exact: bool = False,
 ) -> tuple[Float[Array, "N k"], Int[Array, "N k"], Int[Array, "N k"], Float[Array, "N E"]]:
     """(weights, experts used, the router's own top-k, the router's probabilities) of each
     token, in f32; `routing` replays given experts (then the experts used are those, the
-    router's own pick is returned beside them for comparison)."""
-    probs = jax.nn.softmax(router_logits(x, router), axis=-1)
+    router's own pick is returned beside them for comparison). `exact`: batch-invariant
+    (`models.invariant`: padded logit rows, the softmax's and top-k's sums by `tree_sum`)."""
+    logits = router_logits(x, router, exact=exact)
+    probs = jnp.exp(invariant.log_softmax(logits)) if exact else jax.nn.softmax(logits, axis=-1)
     weights, own = jax.lax.top_k(probs, top_k)
     experts = own
     if routing is not None:
@@ -59,7 +69,12 @@ def route(
         experts = jnp.where(replay, routing.astype(jnp.int32), own)
         weights = jnp.take_along_axis(probs, experts, axis=-1)
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        total = (
+            invariant.tree_sum(weights, keepdims=True)
+            if exact
+            else jnp.sum(weights, axis=-1, keepdims=True)
+        )
+        weights = weights / total
     return weights, experts, own, probs
 
 
@@ -133,20 +148,27 @@ def mix_experts(
     w_down: Float[Array, "E I D"],
     *,
     recipe: Recipe,
+    exact: bool = False,
 ) -> Float[Array, "N D"]:
-    """sum over each token's k experts of weight * SwiGLU expert(x), in f32 (module doc)."""
-    # Under a mesh whose batch axes split the tokens: the experts over the devices.
-    y = sharded_experts(xf, weights, experts, w_gate, w_up, w_down, recipe=recipe)
-    if y is not None:
-        return y
+    """sum over each token's k experts of weight * SwiGLU expert(x), in f32 (module doc).
+    `exact`: batch-invariant (`models.invariant`): the grouped GEMMs run on at least
+    `MIN_ROWS` rows (zero rows past the groups), the k weighted outputs are summed by
+    `tree_sum` of exact products. Not under expert parallelism, whose exchange sums in another
+    order (`rollout.on_policy: exact` refuses an expert axis)."""
+    if not exact:  # Under a mesh whose batch axes split the tokens: the experts over the devices.
+        y = sharded_experts(xf, weights, experts, w_gate, w_up, w_down, recipe=recipe)
+        if y is not None:
+            return y
     (n, d), top_k = xf.shape, experts.shape[-1]
     flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=w_gate.shape[0])
-    rows = xf[order // top_k]
+    rows, m = invariant.pad_rows(xf[order // top_k]) if exact else (xf[order // top_k], n * top_k)
     h = jax.nn.silu(grouped_dot(rows, w_gate, sizes, recipe)) * grouped_dot(
         rows, w_up, sizes, recipe
     )
-    out = grouped_dot(h, w_down, sizes, recipe)
-    pairs = jnp.zeros_like(out).at[order].set(out).reshape(n, top_k, d)
-    return jnp.sum(pairs.astype(jnp.float32) * weights[..., None], axis=1)
+    out = grouped_dot(h, w_down, sizes, recipe)[:m]
+    pairs = jnp.zeros_like(out).at[order].set(out).reshape(n, top_k, d).astype(jnp.float32)
+    if exact:
+        return invariant.tree_sum(invariant.exact_mul(pairs, weights[..., None]), axis=1)
+    return jnp.sum(pairs * weights[..., None], axis=1)

@@ -7,7 +7,7 @@ XLA version, a backend that is not batch-invariant) would go unseen. Every
 one mini-batch, as `prepare` would without the bypass, and logs
 
     rollout_corr/exact_share    share of response tokens whose recomputed log-prob equals the
-                                rollout's bit for bit (1.0 when exact)
+                                rollout's bit for bit (1.0 when exact, or with no token)
     rollout_corr/max_abs_dlogp  the largest |recomputed - rollout| over those tokens (0.0)
 
 and warns once when the share is below 1.
@@ -51,8 +51,10 @@ def _check_program(graphdef: Any, s: StepSettings) -> Any:
         lp, _ = response_logprobs(graphdef, params, batch, s.train_recipe, s.temperature)
         valid = batch["response_mask"] != 0
         rollout = batch["rollout_logp"]
-        same = jnp.sum(valid & (lp == rollout))
-        share = same / jnp.maximum(jnp.sum(valid), 1)
+        same, n = jnp.sum(valid & (lp == rollout)), jnp.sum(valid)
+        # No response token to compare (e.g. every group of the mini-batch filtered out by
+        # dynamic sampling): nothing differs, so no warning.
+        share = jnp.where(n > 0, same / jnp.maximum(n, 1), 1.0)
         gap = jnp.max(jnp.where(valid, jnp.abs(lp - rollout), 0.0))
         return {"rollout_corr/exact_share": share, "rollout_corr/max_abs_dlogp": gap}
 

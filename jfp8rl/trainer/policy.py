@@ -19,6 +19,7 @@ from jfp8rl.data.tasks import BUILTIN_TASKS
 from jfp8rl.parallel import distributed
 from jfp8rl.trainer.checkpoint import restore_params
 from jfp8rl.trainer.warmstart import ensure_base_policy
+from models.config import ModelConfig
 from models.hf_io import load_hf, save_hf
 from models.tokenizer import load_tokenizer, stop_token_ids
 
@@ -74,6 +75,7 @@ def load_policy(cfg: Config, log: Any, mesh: jax.sharding.Mesh | None = None) ->
             f"rollout.routing_replay=record needs a Mixture-of-Experts model; {path} is a dense "
             f"{mcfg.arch} model: set rollout.routing_replay=off"
         )
+    check_exact_moe(mcfg, 1 if mesh is None else mesh.size, path)
     if cfg.algorithm.moe_aux_loss_coef and not mcfg.is_moe:
         raise ConfigError(
             f"algorithm.moe_aux_loss_coef={cfg.algorithm.moe_aux_loss_coef} needs a "
@@ -112,3 +114,15 @@ def export_checkpoint(
     params = restore_params(run_dir, step, policy.params, verify=cfg.checkpoint.verify)
     out = Path(out_dir) if out_dir else run_dir / f"hf_step_{step}"
     return save_policy_folder(out, policy, params)
+
+
+def check_exact_moe(mcfg: ModelConfig, devices: int, path: Path) -> None:
+    """`rollout.on_policy: exact` with a Mixture-of-Experts model holds on one trainer device:
+    on a mesh each device runs its own tokens' expert rows (and expert parallelism exchanges
+    them), in other groups than the engine's one-device program."""
+    if mcfg.is_moe and mcfg.batch_invariant and devices > 1:
+        raise ConfigError(
+            f"rollout.on_policy=exact with the Mixture-of-Experts model {path}: its layers are "
+            f"batch-invariant on one device only, train.mesh has {devices}; set train.mesh to "
+            "one device or rollout.on_policy=off"
+        )

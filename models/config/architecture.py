@@ -223,11 +223,6 @@ class ModelConfig:
             )
         if self.moe_intermediate_size < 1:
             raise ValueError(f"ModelConfig: {self.arch} needs moe_intermediate_size >= 1")
-        if self.batch_invariant:
-            raise ValueError(
-                "ModelConfig: batch_invariant (rollout.on_policy=exact) is not built for "
-                "Mixture-of-Experts layers; use rollout.on_policy=off"
-            )
         if self.decoder_sparse_step < 1 or not set(self.mlp_only_layers) <= set(
             range(self.num_layers)
         ):

@@ -114,6 +114,24 @@ def test_engine_logprobs_equal_trainer_bit_for_bit(
     assert np.all(lps < 0) and len({tuple(t) for t in toks}) > 1
 
 
+@pytest.mark.parametrize(
+    "preset,f32", [("tiny_qwen3_moe_mixed", False), ("tiny_qwen2_moe", True)],
+    ids=["qwen3_moe_mixed_bf16", "qwen2_moe_f32"],
+)  # fmt: skip
+def test_moe_engine_logprobs_equal_trainer_bit_for_bit(preset, f32):
+    """Mixture-of-Experts layers under the exact mode (a dense layer between two MoE layers;
+    Qwen2-MoE's shared expert), FP8 block: the engine's decode steps route and run each token
+    alone (a few expert rows per step), the trainer's forward all of them at once; every
+    log-prob equal."""
+    cfg, gd, params = policy(f32, preset)
+    rec = get_recipe("fp8_block")
+    prompts = random_prompts(5, 11, cfg.vocab_size, seed=5)
+    src, toks, lps = engine_rollout(cfg, gd, params, rec, prompts, 14, 0.7, 175)
+    want = trainer_logprobs(gd, params, rec, src, toks, 0.7, 0, 2)
+    np.testing.assert_array_equal(lps, want)
+    assert np.all(lps < 0) and len({tuple(t) for t in toks}) > 1
+
+
 def test_fast_numerics_are_not_bit_identical():
     """The same comparison without batch invariance differs: what the exact mode removes."""
     cfg, gd, params = policy(True, invariant=False)
@@ -127,17 +145,19 @@ def test_fast_numerics_are_not_bit_identical():
 
 def test_exact_under_the_default_optimising_build():
     """The suite compiles with LLVM at -O0; a user's build runs -O3, where LLVM may contract a
-    multiply and an add into one FMA. The f32 comparison again, in a -O3 subprocess."""
+    multiply and an add into one FMA. The f32 comparison again, dense and MoE, in a -O3
+    subprocess."""
     code = (
         "import sys; sys.path.insert(0, %r)\n"
         "import numpy as np, test_invariant as t\n"
         "from models.fp8 import get_recipe\n"
-        "cfg, gd, params = t.policy(True)\n"
-        "rec = get_recipe('fp8_block')\n"
-        "prompts = t.random_prompts(5, 11, cfg.vocab_size, seed=5)\n"
-        "src, toks, lps = t.engine_rollout(cfg, gd, params, rec, prompts, 14, 0.7, 175)\n"
-        "want = t.trainer_logprobs(gd, params, rec, src, toks, 0.7, 0, 2)\n"
-        "print('equal', float(np.mean(lps == want)))\n"
+        "for preset in ('tiny_qwen3', 'tiny_qwen3_moe_mixed'):\n"
+        "    cfg, gd, params = t.policy(True, preset)\n"
+        "    rec = get_recipe('fp8_block')\n"
+        "    prompts = t.random_prompts(5, 11, cfg.vocab_size, seed=5)\n"
+        "    src, toks, lps = t.engine_rollout(cfg, gd, params, rec, prompts, 14, 0.7, 175)\n"
+        "    want = t.trainer_logprobs(gd, params, rec, src, toks, 0.7, 0, 2)\n"
+        "    print(preset, 'equal', float(np.mean(lps == want)))\n"
     ).replace("%r", repr(str(Path(__file__).parent)))
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(
@@ -147,7 +167,8 @@ def test_exact_under_the_default_optimising_build():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "equal 1.0" in out.stdout, out.stdout + out.stderr[-2000:]
+    for preset in ("tiny_qwen3", "tiny_qwen3_moe_mixed"):
+        assert f"{preset} equal 1.0" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_tree_sum_against_float64_and_invariant_to_other_axes():

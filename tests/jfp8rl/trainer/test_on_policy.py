@@ -18,6 +18,7 @@ from jfp8rl.observe.metrics import read_metrics
 from jfp8rl.parallel.mesh import make_mesh
 from jfp8rl.trainer.loop import run
 from jfp8rl.trainer.on_policy import on_policy_check
+from jfp8rl.trainer.policy import check_exact_moe
 from jfp8rl.trainer.step_settings import default_settings
 from losses.calibrated import CalibConfig
 from losses.registry import Algorithm
@@ -66,6 +67,16 @@ def test_refusals_name_the_key(override: str, message: str) -> None:
         load_config(TINY, ["rollout.on_policy=exact", override])
     assert str(e.value).startswith("rollout.on_policy=exact cannot hold with ")
     assert message in str(e.value)
+
+
+def test_exact_moe_needs_one_trainer_device() -> None:
+    """An MoE model's layers are batch-invariant on one device: a mesh is refused, naming
+    train.mesh and the way out; a dense model and a one-device MoE trainer pass."""
+    moe = get_config("tiny_qwen3_moe_mixed", batch_invariant=True)
+    with pytest.raises(ConfigError, match="on one device only, train.mesh has 2"):
+        check_exact_moe(moe, 2, Path("m"))
+    check_exact_moe(moe, 1, Path("m"))
+    check_exact_moe(get_config("tiny_qwen3", batch_invariant=True), 8, Path("m"))
 
 
 class _Fns:
