@@ -7,7 +7,8 @@ a leading layer axis [L, ...] (`model.layers.self_attn.q_proj.kernel[i]` <->
 `model.layers.{i}.self_attn.q_proj.weight`), and `Decoder.hidden_states` applies them with one
 `jax.lax.scan`, so the program size and compile time do not grow with depth (MaxText's
 `scan_layers`). The modules are used functionally (`models.functional`): split once, merged
-inside jit.
+inside jit. A Mixture-of-Experts model with dense layers among its MoE layers keeps its two
+kinds of MLP in two stacks of their own (`stacked_layers`), each layer picking its slice.
 
 Params may also hold the layers *per layer* (`unstack_layers`: each stacked leaf as a
 `PerLayer` of its L slices), as the rollout engine installs them; `hidden_states` then runs the
@@ -397,7 +398,8 @@ class Decoder(nnx.Module):
         routing: Int[Array, "L B T k"] | None = None,
     ) -> tuple[Float[Array, "B T D"], Any, Int[Array, "L B T k"] | None]:
         """Final-normed hidden states (compute dtype), the final `carry`, and in an MoE model
-        the experts every layer routed each token to (None for dense models).
+        the experts every MoE layer routed each token to ([L_moe, B, T, k]; None for dense
+        models).
 
         One `lax.scan` over the stacked layers (or, with the layers held per layer, L unrolled
         calls: module docstring): step i merges layer i's params and runs x <- layer_i(x),
