@@ -18,7 +18,8 @@ from models import fp8
 from models import functional as F
 from models.attention import causal_self_attention
 from models.config import get_config
-from models.decoder import PerLayer, per_layer_params, rope_cos_sin, rope_inv_freq, unstack_layers
+from models.decoder import PerLayer, per_layer_params, unstack_layers
+from models.rope import rope_cos_sin, rope_inv_freq
 
 
 def unrolled_logits(graphdef, params, tokens, mask):

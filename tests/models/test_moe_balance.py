@@ -21,8 +21,8 @@ from flax import nnx
 
 from models import fp8
 from models import functional as F
-from models.decoder import rope_cos_sin, rope_inv_freq
 from models.moe import RouterLoad, load_balancing_loss, route, router_load
+from models.rope import rope_cos_sin, rope_inv_freq
 
 GOLDEN = Path(__file__).parent / "golden" / "load_balancing.npz"
 
