@@ -38,7 +38,7 @@ def router_logits(
 ) -> Float[Array, "N E"]:
     """x . w in f32 at full precision: a router's logits (never FP8, as the field keeps them).
     `exact`: batch-invariant, the rows padded to `models.invariant.MIN_ROWS` (its rule 1)."""
-    rows, m = invariant.pad_rows(x) if exact else (x, x.shape[0])
+    rows, m = invariant.pad_rows(x, invariant.MIN_ROWS if exact else 1)
     y = jnp.matmul(
         rows.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
@@ -163,7 +163,7 @@ def mix_experts(
     flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=w_gate.shape[0])
-    rows, m = invariant.pad_rows(xf[order // top_k]) if exact else (xf[order // top_k], n * top_k)
+    rows, m = invariant.pad_rows(xf[order // top_k], invariant.MIN_ROWS if exact else 1)
     h = jax.nn.silu(grouped_dot(rows, w_gate, sizes, recipe)) * grouped_dot(
         rows, w_up, sizes, recipe
     )

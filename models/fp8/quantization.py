@@ -65,7 +65,7 @@ def _tile_amax(x: Array, tiles: tuple[int, ...]) -> Array:
     K = 576 in tiles of 128) a `reduce_window` whose padding is never materialised (a zero-padded
     copy of the operand, and the slice back, cost more than the quantization itself on CPU)."""
     if not x.size:
-        return jnp.zeros(tuple(-(-d // t) for d, t in zip(x.shape, tiles, strict=True)), x.dtype)
+        return jnp.zeros(scale_shape(x.shape, tiles), x.dtype)
     a = jnp.abs(x)
     if all(d % t == 0 for d, t in zip(x.shape, tiles, strict=True)):
         split = [n for d, t in zip(x.shape, tiles, strict=True) for n in (d // t, t)]
