@@ -64,6 +64,7 @@ from jfp8rl.analysis.kv_mismatch import kv_cache_mismatch
 from jfp8rl.analysis.tables import markdown_table
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
+from jfp8rl.observe.memory import objects_before_frozen
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.checkpoint import Checkpointer, require_intact
 from jfp8rl.trainer.forward import MODEL_INPUTS, present, response_logprobs
@@ -345,6 +346,7 @@ def restore_checkpoint(t: Trainer, state: dict[str, Any], run_dir: Path, step: i
     return restored, progress
 
 
+@objects_before_frozen()  # the stages' collections walk this call's objects only
 def run_audit(
     config: str,
     overrides: list[str],

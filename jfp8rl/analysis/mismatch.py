@@ -71,6 +71,7 @@ import numpy as np
 from jfp8rl.analysis.tables import markdown_table
 from jfp8rl.config import ConfigError, load_config
 from jfp8rl.data.batch import RolloutBatch
+from jfp8rl.observe.memory import objects_before_frozen
 from jfp8rl.parallel import mesh as mesh_lib
 from jfp8rl.trainer.backends import push_format
 from jfp8rl.trainer.forward import gather_response
@@ -397,6 +398,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     )
 
 
+@objects_before_frozen()  # the stages' collections walk this call's objects only
 def run_mismatch(
     config: str,
     overrides: list[str],

@@ -38,7 +38,7 @@ from jfp8rl.data.records import Example
 from jfp8rl.data.rewards import Reward, RewardError
 from jfp8rl.data.stream import PromptStream, build_datasets
 from jfp8rl.data.templates import PromptFormat
-from jfp8rl.observe.memory import log_memory
+from jfp8rl.observe.memory import log_memory, objects_before_frozen
 from jfp8rl.observe.metrics import MetricsLogger, read_metrics
 from jfp8rl.parallel import distributed
 from jfp8rl.parallel import mesh as mesh_lib
@@ -333,15 +333,16 @@ def run(
         return {"run_dir": str(run_dir), "steps": latest, "complete": True}
     if latest is not None and distributed.is_main():
         print(f"resuming {run_dir} from step {latest} of {steps}", file=out, flush=True)
-    t, state, p = setup(cfg, latest, log, out, datasets, reward)
-    stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
-    try:
-        run_steps(t, state, p, stop_at)
-    finally:
-        if t.ahead is not None:
-            t.ahead.close()  # a batch still in flight finishes before the backend closes
-        if distributed.is_main():
-            t.metrics.close()
-            t.backend.close()
-        t.ckpt.close()
-    return finish(t, state, p, t_start)
+    with objects_before_frozen():  # each stage's collection walks the run's objects only
+        t, state, p = setup(cfg, latest, log, out, datasets, reward)
+        stop_at = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+        try:
+            run_steps(t, state, p, stop_at)
+        finally:
+            if t.ahead is not None:
+                t.ahead.close()  # a batch still in flight finishes before the backend closes
+            if distributed.is_main():
+                t.metrics.close()
+                t.backend.close()
+            t.ckpt.close()
+        return finish(t, state, p, t_start)

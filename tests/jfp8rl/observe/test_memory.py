@@ -52,3 +52,43 @@ def test_no_line_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     memory.log_memory(lines.append, "x")
     assert lines == []
     memory.release_free_heap()  # harmless anywhere: glibc's trim, or nothing
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_objects_before_a_run_are_frozen_for_it_and_given_back() -> None:
+    import gc
+    import weakref
+
+    gc.unfreeze()  # whatever an imported package froze
+    before = _Cycle()
+    dead_before = weakref.ref(before)
+    del before  # cyclic garbage from before the run: collected, not frozen
+    alive = _Cycle()
+    with memory.objects_before_frozen():
+        assert dead_before() is None
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with memory.objects_before_frozen():  # nested: the outer freeze holds
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+        made = _Cycle()
+        made_ref = weakref.ref(made)
+        del made
+        memory.release_free_heap()  # the run's own cyclic garbage is still collected
+        assert made_ref() is None
+        alive_ref = weakref.ref(alive)
+        del alive
+        memory.release_free_heap()  # frozen: kept while the run runs
+        assert alive_ref() is not None
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive_ref() is None  # given back to the collector after it
+    with pytest.raises(RuntimeError), memory.objects_before_frozen():
+        raise RuntimeError("a failed run")
+    assert gc.get_freeze_count() == 0
