@@ -22,6 +22,7 @@ only when `JFP8RL_SKIP_VLLM=1` is set, and otherwise build the venv (cached) or 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import platform
@@ -128,6 +129,41 @@ def pytest_configure(config: pytest.Config) -> None:
     path = _jax_test_cache()
     if path and not hasattr(config, "workerinput") and Path(path).is_dir():
         _prune_jax_test_cache(path)
+
+
+_frozen_for: list[str] = [""]  # the test file whose start last froze the worker's objects
+_SESSION_FREEZE = pytest.StashKey[object]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The worker is one long run to `objects_before_frozen`: entered here, left at the end, so
+    the runs the tests make in this process nest inside it and neither collect nor unfreeze."""
+    from jfp8rl.observe.memory import objects_before_frozen
+
+    session.stash[_SESSION_FREEZE] = freeze = objects_before_frozen()
+    freeze.__enter__()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    freeze = session.stash.get(_SESSION_FREEZE, None)
+    if freeze is not None:
+        freeze.__exit__(None, None, None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At the first test of each file: collect what the earlier files left, then freeze the rest.
+
+    A worker keeps every earlier test's imports, traces and compiled programs alive (millions
+    of objects), and each full collection walks what is not frozen: Python's automatic ones
+    and each training stage's (`release_free_heap`) took a second or more each, minutes over
+    the suite. Frozen, they are out of that walk; only the objects of the running file are in
+    it. (An object frozen here that becomes cyclic garbage later stays until the worker ends.)"""
+    path = item.nodeid.split("::")[0]
+    if path != _frozen_for[0]:
+        _frozen_for[0] = path
+        gc.collect()
+        gc.freeze()
 
 
 # Session fixtures worth building once: their users form one xdist group (one worker), so the
