@@ -23,13 +23,28 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 START=$(date +%s)
-scripts/bootstrap.sh
+# The reference venvs are built (or probed) beside the project venv: three independent
+# installs, each mostly waiting on pip or on a probe's imports.
+SETUP_LOGS="$(mktemp -d)"
+SETUPS=()
 if [ "${JFP8RL_SKIP_VLLM:-0}" != "1" ]; then
-  scripts/setup_vllm_env.sh
+  scripts/setup_vllm_env.sh >"$SETUP_LOGS/vllm.log" 2>&1 &
+  SETUPS+=("$!:vllm")
 fi
 if [ "${JFP8RL_SKIP_VERL:-0}" != "1" ]; then
-  scripts/setup_verl_env.sh
+  scripts/setup_verl_env.sh >"$SETUP_LOGS/verl.log" 2>&1 &
+  SETUPS+=("$!:verl")
 fi
+scripts/bootstrap.sh
+for job in "${SETUPS[@]}"; do
+  if ! wait "${job%%:*}"; then
+    cat "$SETUP_LOGS/${job#*:}.log" >&2
+    echo "scripts/setup_${job#*:}_env.sh failed (its output above)" >&2
+    exit 1
+  fi
+  cat "$SETUP_LOGS/${job#*:}.log"
+done
+rm -rf "$SETUP_LOGS"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 MARKS=()
