@@ -39,7 +39,7 @@ def test_the_line_after_a_transient_names_its_peak_and_place(
     assert lines[0].startswith("memory: before rss ")
     after = lines[1].split(" stage peak ")[1]
     peak = float(after.split(" GiB at ")[0])
-    assert peak >= floor + 0.9 * SIZE / 2**30
+    assert peak >= floor + 0.9 * SIZE / 2**30 - 0.005  # the line prints GiB to 2 decimals
     assert after.split(" GiB at ")[1].startswith("tests/jfp8rl/observe/test_memory.py:")
     assert after.endswith(" hold_a_transient")
     quiet_peak = float(lines[2].split(" stage peak ")[1].split(" GiB at ")[0])
