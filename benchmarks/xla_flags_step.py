@@ -61,7 +61,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("flags", nargs="*", help="XLA_FLAGS of each variant beside the default (after --)")
+    ap.add_argument(
+        "flags", nargs="*", help="XLA_FLAGS of each variant beside the default (after --)"
+    )
     args = ap.parse_args()
     model = str(Path(args.model).expanduser())
     if args.worker:
