@@ -46,6 +46,9 @@ LAZY_OK = {
 LAZY_PROJECT_OK = {
     ("jfp8rl.plan", "jfp8rl.analysis.memory_plan"),  # after --devices sets XLA_FLAGS
     ("jfp8rl.plan", "jfp8rl.config"),
+    # the Hopper kernels import Pallas' Mosaic GPU modules, ~0.4 s of every process's start
+    ("models.fp8.matmul", "models.fp8.kernels.block_matmul"),
+    ("models.fp8.grouped", "models.fp8.kernels.grouped_block_matmul"),
 }
 MAX_LINES = 450
 

@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from models.fp8.kernels import grouped_block_matmul
 from models.fp8.quantization import fake_quantize_operand, round_to_format, scaled_by_amax
 from models.fp8.ragged import ragged_dot
 from models.fp8.recipe import Format, Granularity, Recipe
@@ -245,6 +244,10 @@ def grouped_dot(
                 "one device's rows (wgrad's token tiles would span devices); use "
                 "backend='emulate' under expert parallelism"
             )
+        # Imported on first use: the Hopper kernels import Pallas' Mosaic GPU modules (~0.4 s
+        # of every process's start), needed only by this backend.
+        from models.fp8.kernels import grouped_block_matmul
+
         return grouped_block_matmul.grouped_dot(x, w, group_sizes, recipe)
     if recipe.backend != "emulate":
         raise NotImplementedError(

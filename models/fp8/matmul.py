@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from models.fp8.grouped import grouped_dot
-from models.fp8.kernels import block_matmul
 from models.fp8.quantization import fake_quantize_operand, fake_quantize_weight
 from models.fp8.recipe import Recipe
 
@@ -51,11 +50,19 @@ def transposed_left_operand(x: Array) -> Array:
     return jax.lax.optimization_barrier(xt) if jax.default_backend() == "cpu" else xt
 
 
+def _hopper_kernels():
+    """`models.fp8.kernels.block_matmul`, imported on first use: it imports Pallas' Mosaic GPU
+    modules (~0.4 s of every process's start), needed only by backend "pallas"."""
+    from models.fp8.kernels import block_matmul
+
+    return block_matmul
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _fp8_matmul(a: Array, b: Array, recipe: Recipe, out_dtype: jnp.dtype) -> Array:
     """a [*, M, K] @ b [*, K, N] with both operands quantized by the recipe; f32 accumulation."""
     if recipe.backend == "pallas":
-        return block_matmul.fprop(a, b, recipe, out_dtype)
+        return _hopper_kernels().fprop(a, b, recipe, out_dtype)
     aq = fake_quantize_operand(a, recipe.fwd_format, -1, recipe.act_granularity, "act", recipe)
     bq = b if recipe.prequantized_weights else fake_quantize_weight(b, recipe)
     return _f32_matmul(aq, bq).astype(out_dtype)
@@ -69,7 +76,8 @@ def _fp8_matmul_bwd(recipe, out_dtype, res, g):
     a, b = res
     r = recipe
     if r.backend == "pallas":
-        return block_matmul.dgrad(g, b, r, a.dtype), block_matmul.wgrad(a, g, r, b.dtype)
+        kernels = _hopper_kernels()
+        return kernels.dgrad(g, b, r, a.dtype), kernels.wgrad(a, g, r, b.dtype)
     # dgrad: da = g [*, M, N] . b^T [*, N, K], summed over N (g's and b's last axis).
     gq_d = fake_quantize_operand(g, r.bwd_format, -1, r.grad_granularity, "grad", r)
     bq_d = fake_quantize_operand(b, r.fwd_format, -1, r.weight_granularity, "weight", r)
