@@ -44,7 +44,6 @@ from jfp8rl.config.sections import MeshConfig
 from jfp8rl.parallel.mesh import AXES, mesh_for_config, resolve_mesh, resolve_mesh_shape
 
 CHECK = Path(__file__).parent / "expert_parallel_check.py"
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_mesh_sizes_with_an_expert_axis() -> None:
@@ -84,7 +83,6 @@ def test_expert_parallel_equals_one_device() -> None:
         **full,
         "XLA_FLAGS": f"{full['XLA_FLAGS']} --xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),
     }
     out = subprocess.run(
         [sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=900
